@@ -1,0 +1,120 @@
+"""The update operations as pure functions, and operand validation.
+
+Each op maps ``(old, operand) -> new`` out of place, so a recorded update
+never writes storage (rule 2) and the same function serves the overlay
+(read-your-writes), the commit fold and eager application:
+
+* ``assign``:      ``new = operand`` (cast to the target's dtype, broadcast from 0-dim)
+* ``assign_add``:  ``new = old + operand``
+* ``assign_sub``:  ``new = old - operand``
+* ``assign_key``:  ``new = old.clone(); new[key] = operand``
+
+A condition ``pred`` (a 0-dim bool tensor) gives ``new = where(pred, new, old)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .errors import UpdateError
+
+OPS = ("assign", "assign_add", "assign_sub", "assign_key")
+
+
+def apply_op(op: str, old: torch.Tensor, operand: Any, key: Any, cond: torch.Tensor | None) -> torch.Tensor:
+    """``new`` for one update; ``old`` is never modified."""
+    with torch._C.DisableTorchFunctionSubclass():
+        if op == "assign":
+            if isinstance(operand, torch.Tensor):
+                new = operand.to(dtype=old.dtype, copy=True)
+                if new.shape != old.shape:
+                    new = new.expand(old.shape).clone()
+            else:
+                new = torch.full_like(old, operand)
+        elif op == "assign_add":
+            new = old + operand
+        elif op == "assign_sub":
+            new = old - operand
+        elif op == "assign_key":
+            new = old.clone()
+            new[key] = operand
+        else:  # pragma: no cover - guarded by the public functions
+            raise ValueError(op)
+        if new.dtype != old.dtype:
+            new = new.to(old.dtype)
+        if cond is not None:
+            new = torch.where(cond, new, old)
+    return new
+
+
+def apply_inplace(op: str, t: torch.Tensor, operand: Any, key: Any, cond: torch.Tensor | None) -> None:
+    """Eager application (outside a step): write ``t`` in place under no_grad."""
+    with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+        if cond is None and op == "assign":
+            if isinstance(operand, torch.Tensor):
+                t.copy_(operand)
+            else:
+                t.fill_(operand)
+        elif cond is None and op == "assign_add":
+            t.add_(operand)
+        elif cond is None and op == "assign_sub":
+            t.sub_(operand)
+        elif cond is None and op == "assign_key":
+            t[key] = operand
+        else:
+            t.copy_(apply_op(op, t, operand, key, cond))
+
+
+def _kind_ok(src: torch.dtype, dst: torch.dtype) -> bool:
+    return torch.can_cast(src, dst)
+
+
+def check_operand(op: str, target: torch.Tensor, operand: Any, key: Any, name: str, origin: str) -> None:
+    """Shape, dtype kind and device of an operand; raises :class:`UpdateError`."""
+    fn = f"pu.{op}"
+    where_ = f"{fn} on {name!r} at {origin}"
+    if isinstance(operand, torch.Tensor):
+        if operand.device != target.device and not (operand.dim() == 0 and operand.device.type == "cpu"):
+            raise UpdateError(
+                f"{where_}: value is on {operand.device}, the target on {target.device}. "
+                f"Move it first: value.to({str(target.device)!r})."
+            )
+        if not _kind_ok(operand.dtype, target.dtype):
+            raise UpdateError(
+                f"{where_}: value of dtype {operand.dtype} cannot be stored in a {target.dtype} "
+                f"target without losing its kind (e.g. float into int). Convert it explicitly "
+                f"(value.round().to({target.dtype})) if that is what you mean."
+            )
+        if op == "assign_key":
+            try:
+                with torch._C.DisableTorchFunctionSubclass():
+                    sub = target.detach()[key]
+                    if torch.broadcast_shapes(operand.shape, sub.shape) != sub.shape:
+                        raise RuntimeError("shape")
+            except (IndexError, RuntimeError, TypeError) as e:
+                raise UpdateError(
+                    f"{where_}: target[{key!r}] (target shape {tuple(target.shape)}) cannot take a "
+                    f"value of shape {tuple(operand.shape)} ({e}). Index and value must match."
+                ) from None
+        elif operand.dim() != 0 and operand.shape != target.shape:
+            raise UpdateError(
+                f"{where_}: value has shape {tuple(operand.shape)}, the target {tuple(target.shape)}. "
+                "An update keeps the target's shape: pass a tensor of exactly that shape or a scalar."
+            )
+    elif isinstance(operand, bool | int | float):
+        if isinstance(operand, float) and not (target.is_floating_point() or target.is_complex()):
+            raise UpdateError(
+                f"{where_}: a float value cannot be stored in a {target.dtype} target. "
+                "Pass an int, or convert the target."
+            )
+        if op == "assign_key":
+            try:
+                target.detach()[key]
+            except (IndexError, RuntimeError, TypeError) as e:
+                raise UpdateError(f"{where_}: bad key {key!r} for shape {tuple(target.shape)} ({e}).") from None
+    else:
+        raise UpdateError(
+            f"{where_}: value of type {type(operand).__name__} is not a tensor or a Python number."
+        )

@@ -1,0 +1,43 @@
+"""Call-site capture: the ``file:line`` of the user code that issued an update."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# Modules built on the mechanism (pu.nn) are where their updates are issued:
+# their lines are shown, not skipped.
+_USER_SUBDIRS = tuple(_PKG_DIR + d + os.sep for d in ("nn",))
+_TORCH_DIR = os.path.dirname(os.path.abspath(sys.modules["torch"].__file__)) + os.sep
+_CWD = os.getcwd() + os.sep
+
+
+def _is_internal(filename: str) -> bool:
+    if filename.startswith(_PKG_DIR):
+        return not filename.startswith(_USER_SUBDIRS)
+    return ( filename.startswith(_TORCH_DIR)
+        or filename.startswith("<frozen")
+        or "contextlib.py" in filename
+    )
+
+
+def call_site(depth: int = 2) -> str:
+    """Return ``"file:line"`` of the first frame outside paramupdates and torch.
+
+    Paths under the working directory are shown relative to it, so that a
+    schedule printed by the same script is identical from run to run.
+    """
+    try:
+        f = sys._getframe(depth)
+    except ValueError:  # pragma: no cover - shallow stack
+        return "<unknown>"
+    first = f
+    while f is not None and _is_internal(f.f_code.co_filename):
+        f = f.f_back
+    if f is None:
+        f = first
+    name = f.f_code.co_filename
+    if name.startswith(_CWD):
+        name = name[len(_CWD) :]
+    return f"{name}:{f.f_lineno}"

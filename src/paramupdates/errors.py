@@ -1,0 +1,26 @@
+"""Exceptions raised by paramupdates.
+
+Every message names the target (its qualified name in the model), the call
+site (``file:line``) of the offending update, and what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class UpdateError(RuntimeError):
+    """An update cannot be recorded or committed.
+
+    Raised for a bad shape, dtype kind, device, a non-finite value at commit
+    (with ``on_nonfinite="raise"``), a target that belongs to no registered
+    model, or a misuse of a step. When it is raised, every parameter and
+    buffer is bitwise what it was before the step.
+    """
+
+
+class AmbiguousOrderError(UpdateError):
+    """An update with ``phase=None`` targets a trainable parameter.
+
+    The optimizer also updates that parameter, so the order of the two
+    updates would be a race. Pass ``phase="before_grad"`` or
+    ``phase="after_grad"`` to say which comes first.
+    """

@@ -1,0 +1,1 @@
+"""Integrations with PyTorch subsystems (distributed, checkpointing, compile)."""

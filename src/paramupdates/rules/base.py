@@ -1,0 +1,114 @@
+"""Declared rules: updates that belong to parameters (or a model), not to a step.
+
+A rule is declared once (``pu.weight_decay``, ``pu.constrain``, ``pu.ema``)
+and registered here in declaration order. Every step whose model owns the
+rule's tensors applies it at commit, once per real optimizer update, in the
+rule's phase; inside a phase, rules run in declaration order, before the
+updates issued during the step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..schedule import ScheduleEntry
+
+if TYPE_CHECKING:
+    from ..targets import ModelIndex
+    from ..transaction import CommitContext
+
+_SEQ = itertools.count()
+
+
+class Rule:
+    """Base class of declared rules.
+
+    Subclasses set ``phase`` and ``kind`` and implement :meth:`tensors`
+    (what the rule writes: used for ownership and rollback) and
+    :meth:`apply` (the in-place math, under ``torch.no_grad()``).
+    """
+
+    phase: str = ""
+    kind: str = "rule"
+
+    def __init__(self, origin: str) -> None:
+        self.origin = origin
+        self.seq = next(_SEQ)
+
+    # --- ownership -------------------------------------------------------
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors this rule writes at commit."""
+        raise NotImplementedError
+
+    def owner_tensors(self) -> list[torch.Tensor]:
+        """Tensors whose owning model applies this rule (default: :meth:`tensors`)."""
+        return self.tensors()
+
+    def applies_to(self, index: ModelIndex) -> bool:
+        return any(index.lookup(t) is not None for t in self.owner_tensors())
+
+    def alive(self) -> bool:
+        return True
+
+    # --- commit ----------------------------------------------------------
+    def apply(self, ctx: CommitContext) -> None:
+        raise NotImplementedError
+
+    def rows(self, index: ModelIndex) -> list[ScheduleEntry]:
+        names = [index.name_of(t) or "?" for t in self.tensors()]
+        target = names[0] if len(names) == 1 else f"{len(names)} tensors ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+        return [ScheduleEntry(self.phase, target, self.kind, "-", self.origin)]
+
+    # --- state (save/resume, rollback) ---------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def save(self) -> Any:
+        """Python-level state to restore if the commit fails (tensors are snapshotted separately)."""
+        return None
+
+    def restore(self, saved: Any) -> None:
+        pass
+
+
+_RULES: list[Rule] = []
+
+
+def register(rule: Rule) -> Rule:
+    """Add a rule to the registry (declaration order is commit order)."""
+    _RULES.append(rule)
+    return rule
+
+
+def unregister(rule: Rule) -> None:
+    if rule in _RULES:
+        _RULES.remove(rule)
+
+
+def rules_for(index: ModelIndex) -> list[Rule]:
+    """The live rules that apply to ``index``'s model, in declaration order."""
+    dead = [r for r in _RULES if not r.alive()]
+    for r in dead:
+        _RULES.remove(r)
+    return [r for r in _RULES if r.applies_to(index)]
+
+
+class WeakTensors:
+    """A list of tensors held weakly, so a rule does not keep a model alive."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self._refs = [weakref.ref(t) for t in tensors]
+
+    def get(self) -> list[torch.Tensor]:
+        out = [r() for r in self._refs]
+        return [t for t in out if t is not None]
+
+    def alive(self) -> bool:
+        return any(r() is not None for r in self._refs)

@@ -1,0 +1,103 @@
+"""Which tensors a model owns, under which qualified names.
+
+A target of an update is a ``pu.Parameter`` or any parameter or buffer of a
+registered model. The index maps a tensor (by identity) to its qualified
+name, owning module and attribute, and is rebuilt when a lookup misses (a
+module was added, a buffer was replaced).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(eq=False)
+class TargetInfo:
+    """Where a target lives: ``owner.<attr>`` is the tensor, ``name`` its qualified name."""
+
+    ref: weakref.ref
+    name: str
+    owner_ref: weakref.ref
+    attr: str
+    kind: str  # "parameter" or "buffer"
+
+    @property
+    def tensor(self) -> torch.Tensor | None:
+        return self.ref()
+
+    @property
+    def owner(self) -> nn.Module | None:
+        return self.owner_ref()
+
+
+class ModelIndex:
+    """Identity map from the tensors of ``model`` to :class:`TargetInfo`."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model_ref = weakref.ref(model)
+        self.by_id: dict[int, TargetInfo] = {}
+        self.build()
+
+    @property
+    def model(self) -> nn.Module | None:
+        return self._model_ref()
+
+    def build(self) -> None:
+        """Walk the module tree; the first name of a shared tensor wins."""
+        model = self.model
+        by_id: dict[int, TargetInfo] = {}
+        if model is not None:
+            for mod_name, mod in model.named_modules(remove_duplicate=True):
+                prefix = f"{mod_name}." if mod_name else ""
+                mref = weakref.ref(mod)
+                for kind, table in (("parameter", mod._parameters), ("buffer", mod._buffers)):
+                    for attr, t in table.items():
+                        if t is not None and id(t) not in by_id:
+                            by_id[id(t)] = TargetInfo(weakref.ref(t), prefix + attr, mref, attr, kind)
+        self.by_id = by_id
+
+    def lookup(self, t: torch.Tensor) -> TargetInfo | None:
+        """The info of ``t`` if the model owns it (rebuilding once on a miss)."""
+        info = self.by_id.get(id(t))
+        if info is not None and info.ref() is t:
+            return info
+        self.build()
+        info = self.by_id.get(id(t))
+        if info is not None and info.ref() is t:
+            return info
+        return None
+
+    def name_of(self, t: torch.Tensor) -> str | None:
+        info = self.lookup(t)
+        return None if info is None else info.name
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every owned tensor, in module-tree order."""
+        out = []
+        for info in self.by_id.values():
+            t = info.ref()
+            if t is not None:
+                out.append(t)
+        return out
+
+
+_INDEXES: weakref.WeakKeyDictionary[nn.Module, ModelIndex] = weakref.WeakKeyDictionary()
+
+
+def index_of(model: nn.Module) -> ModelIndex:
+    """The (cached) index of ``model``."""
+    idx = _INDEXES.get(model)
+    if idx is None:
+        idx = ModelIndex(model)
+        _INDEXES[model] = idx
+    return idx
+
+
+def describe(t: torch.Tensor) -> str:
+    """A name for a tensor that belongs to no known model."""
+    kind = type(t).__name__
+    return f"<unnamed {kind} shape={tuple(t.shape)} dtype={t.dtype}>"

@@ -1,0 +1,522 @@
+"""The transaction behind a step: recording, the read-your-writes overlay, commit.
+
+Recording (rules 1, 2, 5, 6)
+    An update issued inside a step is validated (shape, dtype kind, device,
+    phase) at its call site and recorded as ``(op, operand, condition, phase,
+    origin)``. The target's pending value is computed out of place
+    (``_ops.apply_op``) and becomes what reads of the target return:
+
+    * a ``pu.Parameter`` reads its pending value through ``__torch_function__``
+      (any reference to it, any op, ``print``);
+    * a buffer of a module reads it through the module attribute
+      (``module.running_mean``): the module's buffer slot holds the pending
+      tensor until commit, and updates to that tensor go to the same target;
+    * a plain ``torch.nn.Parameter`` keeps its committed value for
+      ``module.weight`` (so ``model.parameters()`` and gradients are never
+      disturbed); ``pu.read(p)`` returns its pending value.
+
+    No storage is written (rule 2): saved tensors stay valid, version counters
+    do not move.
+
+Commit (rules 4, 7)
+    1. the overlay is removed; synced values are all-reduced; every pending
+       value is checked for finiteness in one batched reduction;
+    2. ``before_grad`` -> the optimizer's step -> ``after_grad`` ->
+       ``auxiliary`` -> ``after_step``: in each phase the declared rules (in
+       declaration order), then the recorded updates (in issue order);
+    3. before a tensor is first written, it is snapshotted (one flat copy per
+       device and dtype; the optimizer's parameters and state likewise), so an
+       exception anywhere in the commit restores every tensor bitwise.
+
+    A target whose updates all lie in one phase and that nothing else wrote
+    before that phase takes its pending value as is: one ``torch._foreach_copy_``
+    per device and dtype. Other targets fold their records, in issue order,
+    over the value the target has when their phase comes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+
+from . import _state, conditions
+from ._ops import apply_op, check_operand
+from .errors import AmbiguousOrderError, UpdateError
+from .rules.base import Rule, rules_for
+from .schedule import (
+    AFTER_GRAD,
+    AFTER_STEP,
+    AUXILIARY,
+    BEFORE_GRAD,
+    GRAD,
+    PHASES,
+    Schedule,
+    ScheduleEntry,
+)
+from .targets import ModelIndex, TargetInfo, describe
+
+if TYPE_CHECKING:
+    pass
+
+_RECORD_PHASES = (BEFORE_GRAD, AFTER_GRAD, AUXILIARY, AFTER_STEP)
+
+
+@dataclass(eq=False, slots=True)
+class Record:
+    """One issued update."""
+
+    op: str
+    operand: Any
+    key: Any
+    cond: torch.Tensor | None
+    phase: str
+    sync: str | None
+    origin: str
+
+
+@dataclass(eq=False)
+class Entry:
+    """A target with pending updates in one transaction."""
+
+    target: torch.Tensor
+    name: str
+    info: TargetInfo | None
+    trainable: bool
+    value: torch.Tensor | None = None
+    records: list[Record] = field(default_factory=list)
+    swapped: bool = False
+
+    def base(self) -> torch.Tensor:
+        return self.target
+
+    def current(self) -> torch.Tensor:
+        return self.target if self.value is None else self.value
+
+    def phases(self) -> set[str]:
+        return {r.phase for r in self.records}
+
+
+def _is_pu_parameter(t: object) -> bool:
+    from .parameter import Parameter
+
+    return isinstance(t, Parameter)
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a plain tensor sharing storage, version counter and autograd."""
+    if type(t) is torch.Tensor or type(t) is nn.Parameter:
+        return t
+    with torch._C.DisableTorchFunctionSubclass():
+        return t.view_as(t)
+
+
+class CommitContext:
+    """What rules see at commit: the optimizer, the model index, lr lookup."""
+
+    def __init__(self, tx: Transaction) -> None:
+        self.tx = tx
+        self.optimizer = tx.optimizer
+        self.index = tx.index
+        self._lr: dict[int, float] | None = None
+
+    def lr_of(self, p: torch.Tensor) -> float | None:
+        """The learning rate of ``p``'s optimizer param group (None if not in it)."""
+        if self.optimizer is None:
+            return None
+        if self._lr is None:
+            self._lr = {}
+            for g in self.optimizer.param_groups:
+                lr = g.get("lr")
+                lr = float(lr) if lr is not None else None
+                for q in g["params"]:
+                    self._lr[id(q)] = lr
+        return self._lr.get(id(p))
+
+
+class Transaction:
+    """Pending updates of one step of one model (with its optimizer)."""
+
+    def __init__(
+        self,
+        index: ModelIndex,
+        optimizer: torch.optim.Optimizer | None,
+        *,
+        check_finite: bool = True,
+        on_nonfinite: str = "raise",
+        atomic: bool = True,
+        label: str = "pu.step",
+    ) -> None:
+        self.index = index
+        self.optimizer = optimizer
+        self.check_finite = check_finite
+        self.on_nonfinite = on_nonfinite
+        self.atomic = atomic
+        self.label = label
+        self.entries: dict[int, Entry] = {}
+        self.aliases: dict[int, Entry] = {}
+        self.order: list[tuple[Entry, Record]] = []
+        self.state = "open"  # open -> committing -> closed
+        self.done_phases: set[str] = set()
+        self._opt_ids: set[int] | None = None
+        self._protected: set[int] = set()
+        self._snapshots: list[tuple[list[torch.Tensor], torch.Tensor]] = []
+        self._opt_saved: dict[int, tuple[torch.Tensor, dict | None]] | None = None
+        self._rule_saved: list[tuple[Rule, Any]] = []
+        self._dirty: set[int] = set()
+        self.rules: list[Rule] = []
+        self.skipped = False
+
+    # ------------------------------------------------------------------
+    # lookup
+    # ------------------------------------------------------------------
+    def opt_ids(self) -> set[int]:
+        if self._opt_ids is None:
+            ids: set[int] = set()
+            if self.optimizer is not None:
+                for g in self.optimizer.param_groups:
+                    ids.update(id(p) for p in g["params"])
+            self._opt_ids = ids
+        return self._opt_ids
+
+    def find(self, t: torch.Tensor, create: bool = True) -> Entry | None:
+        """The entry of target ``t`` (or of a pending value read from it)."""
+        e = self.entries.get(id(t))
+        if e is not None and e.target is t:
+            return e
+        e = self.aliases.get(id(t))
+        if e is not None and e.value is t:
+            return e
+        if not create:
+            return None
+        info = self.index.lookup(t)
+        if info is None:
+            return None
+        # Trainable: the optimizer also updates it (it requires grad and, when
+        # the step has an optimizer, is one of its parameters).
+        trainable = bool(t.requires_grad) and (self.optimizer is None or id(t) in self.opt_ids())
+        e = Entry(t, info.name, info, trainable)
+        self.entries[id(t)] = e
+        return e
+
+    # ------------------------------------------------------------------
+    # recording
+    # ------------------------------------------------------------------
+    def record(
+        self, e: Entry, op: str, operand: Any, key: Any, phase: str | None, sync: str | None, origin: str
+    ) -> None:
+        fn = f"pu.{op}"
+        if phase is None or phase == AUXILIARY:
+            if e.trainable:
+                raise AmbiguousOrderError(
+                    f"{fn} on {e.name!r} at {origin} has no phase, but {e.name!r} is trainable "
+                    "(the optimizer also updates it), so the order of the two updates is ambiguous. "
+                    "Pass phase='before_grad' to apply it before the gradient update, or "
+                    "phase='after_grad' to apply it after."
+                )
+            phase = AUXILIARY
+        elif phase not in _RECORD_PHASES:
+            raise UpdateError(
+                f"{fn} on {e.name!r} at {origin}: unknown phase {phase!r}; use one of "
+                f"None, 'before_grad', 'after_grad', 'after_step'."
+            )
+        if sync not in (None, "mean", "sum"):
+            raise UpdateError(f"{fn} on {e.name!r} at {origin}: sync must be None, 'mean' or 'sum', not {sync!r}.")
+        if sync is not None and e.trainable:
+            raise UpdateError(
+                f"{fn} on {e.name!r} at {origin}: sync={sync!r} on a trainable parameter is not supported "
+                "(DDP already averages its gradients). Sync auxiliary (non-trainable) targets only."
+            )
+        if phase in self.done_phases:
+            raise UpdateError(
+                f"{fn} on {e.name!r} at {origin} with phase={phase!r} was issued after that phase was "
+                f"committed (inside optimizer.step()). Issue it before the optimizer step, or use a later phase."
+            )
+        if _state.replay is None and torch._C._current_graph_task_id() != -1:
+            raise UpdateError(
+                f"{fn} on {e.name!r} at {origin} was issued during backward (from a hook or from "
+                "recomputation by torch.utils.checkpoint). Updates issued in backward would be applied "
+                "twice or out of order: issue them in forward, and use pu.checkpoint for activation "
+                "checkpointing."
+            )
+        check_operand(op, e.target, operand, key, e.name, origin)
+        cond = conditions.current()
+        if isinstance(operand, torch.Tensor):
+            operand = self.read(operand)
+            if not e.trainable:
+                operand = operand.detach()
+        old = _plain(e.current())
+        new = apply_op(op, old, operand, key, cond if isinstance(cond, torch.Tensor) else None)
+        if not e.trainable:
+            new = new.detach()
+        rec = Record(op, operand, key, cond if isinstance(cond, torch.Tensor) else None, phase, sync, origin)
+        replay = _state.replay
+        if replay is not None:
+            replay.set_value(self, e, new)
+            return
+        e.records.append(rec)
+        self.order.append((e, rec))
+        self.set_value(e, new)
+
+    def set_value(self, e: Entry, new: torch.Tensor) -> None:
+        """Make ``new`` what reads of ``e``'s target return."""
+        old = e.value
+        if old is not None:
+            self.aliases.pop(id(old), None)
+        e.value = new
+        self.aliases[id(new)] = e
+        if _is_pu_parameter(e.target):
+            _state.pu_pending[id(e.target)] = e
+        elif e.info is not None and e.info.kind == "buffer":
+            owner = e.info.owner
+            if owner is not None:
+                cur = owner._buffers.get(e.info.attr)
+                if cur is e.target or (old is not None and cur is old):
+                    owner._buffers[e.info.attr] = new
+                    e.swapped = True
+
+    def read(self, t: torch.Tensor) -> torch.Tensor:
+        """The value of ``t`` as this step sees it (pending or committed)."""
+        e = self.find(t, create=False)
+        if e is None:
+            return _plain(t)
+        return _plain(e.current())
+
+    # ------------------------------------------------------------------
+    # overlay removal, discard
+    # ------------------------------------------------------------------
+    def remove_overlay(self) -> None:
+        for e in self.entries.values():
+            if e.swapped and e.info is not None:
+                owner = e.info.owner
+                if owner is not None and owner._buffers.get(e.info.attr) is e.value:
+                    owner._buffers[e.info.attr] = e.target
+                e.swapped = False
+            if _state.pu_pending.get(id(e.target)) is e:
+                del _state.pu_pending[id(e.target)]
+
+    def discard(self) -> None:
+        """Drop every pending update; storage was never touched."""
+        self.remove_overlay()
+        self.state = "closed"
+
+    # ------------------------------------------------------------------
+    # plan
+    # ------------------------------------------------------------------
+    def collect_rules(self) -> None:
+        self.rules = rules_for(self.index)
+
+    def schedule(self) -> Schedule:
+        rows: list[ScheduleEntry] = []
+        for phase in PHASES:
+            if phase == GRAD:
+                if self.optimizer is not None:
+                    rows.append(
+                        ScheduleEntry(GRAD, "<optimizer parameters>", f"{type(self.optimizer).__name__}.step", "-", self.label)
+                    )
+                continue
+            for rule in self.rules:
+                if rule.phase == phase:
+                    rows.extend(rule.rows(self.index))
+            for e, r in self.order:
+                if r.phase == phase:
+                    cond = "-" if r.cond is None else "when(tensor)"
+                    sync = f" sync={r.sync}" if r.sync else ""
+                    rows.append(ScheduleEntry(phase, e.name, r.op + sync, cond, r.origin))
+        return Schedule(rows)
+
+    # ------------------------------------------------------------------
+    # commit
+    # ------------------------------------------------------------------
+    def prepare(self) -> bool:
+        """Remove the overlay, sync, check finiteness. False: skip this step."""
+        self.state = "committing"
+        self.remove_overlay()
+        self.collect_rules()
+        synced = [e for e in self.entries.values() if any(r.sync for r in e.records)]
+        if synced:
+            from .integrations.distributed import sync_entries
+
+            sync_entries(synced)
+        if self.check_finite:
+            bad = self._nonfinite()
+            if bad:
+                if self.on_nonfinite == "skip":
+                    self.skipped = True
+                    self.state = "closed"
+                    return False
+                lines = "; ".join(f"{e.name!r} (last update at {e.records[-1].origin})" for e in bad)
+                self.state = "closed"
+                raise UpdateError(
+                    f"{self.label}: non-finite pending value for {lines}. Nothing was written. "
+                    "Fix the value, or pass on_nonfinite='skip' to drop such steps (they are counted)."
+                )
+        return True
+
+    def _nonfinite(self) -> list[Entry]:
+        ents = [
+            e for e in self.entries.values()
+            if e.value is not None and (e.value.is_floating_point() or e.value.is_complex())
+        ]
+        if not ents:
+            return []
+        vals = [e.value.detach() for e in ents]
+        flags = []
+        grouped = _group_tensors_by_device_and_dtype([vals])
+        for (_dev, _dt), ([ts], _) in grouped.items():
+            norms = torch._foreach_norm(ts, math.inf)
+            flags.append(torch.stack(norms).isfinite().all().cpu())
+        if bool(torch.stack(flags).all()):
+            return []
+        return [e for e, v in zip(ents, vals) if not bool(v.isfinite().all())]
+
+    # --- snapshots ------------------------------------------------------
+    def protect(self, tensors: list[torch.Tensor]) -> None:
+        """Snapshot tensors not yet snapshotted in this commit (before their first write)."""
+        if not self.atomic:
+            return
+        fresh = []
+        for t in tensors:
+            if id(t) not in self._protected:
+                self._protected.add(id(t))
+                fresh.append(t.detach())
+        if not fresh:
+            return
+        grouped = _group_tensors_by_device_and_dtype([fresh])
+        with torch.no_grad():
+            for _k, ([ts], _) in grouped.items():
+                flat = torch.cat([t.reshape(-1) for t in ts]) if len(ts) > 1 else ts[0].reshape(-1).clone()
+                self._snapshots.append((list(ts), flat))
+
+    def protect_optimizer(self, all_params: bool) -> None:
+        opt = self.optimizer
+        if opt is None or not self.atomic:
+            return
+        params = [p for g in opt.param_groups for p in g["params"] if all_params or p.grad is not None]
+        saved: dict[int, tuple[torch.Tensor, dict | None]] = {}
+        tensors: list[torch.Tensor] = list(params)
+        for p in params:
+            st = opt.state.get(p)
+            if st is None:
+                saved[id(p)] = (p, None)
+                continue
+            copy = {k: (list(v) if isinstance(v, list) else v) for k, v in st.items()}
+            saved[id(p)] = (p, copy)
+            tensors.extend(v for v in st.values() if isinstance(v, torch.Tensor))
+        self._opt_saved = saved
+        self.protect(tensors)
+
+    def save_rules(self) -> None:
+        self._rule_saved = [(r, r.save()) for r in self.rules]
+
+    def rollback(self) -> None:
+        """Restore every snapshotted tensor, the optimizer state and the rules' counters."""
+        with torch.no_grad():
+            for ts, flat in self._snapshots:
+                parts = flat.split([t.numel() for t in ts])
+                for t, v in zip(ts, parts):
+                    t.copy_(v.view(t.shape))
+        if self._opt_saved is not None and self.optimizer is not None:
+            state = self.optimizer.state
+            for p, st in self._opt_saved.values():
+                if st is None:
+                    state.pop(p, None)
+                else:
+                    state[p] = st
+        for r, saved in self._rule_saved:
+            r.restore(saved)
+        self.state = "closed"
+
+    # --- phases ----------------------------------------------------------
+    def run_phase(self, phase: str) -> None:
+        ctx = CommitContext(self)
+        for rule in self.rules:
+            if rule.phase == phase:
+                written = rule.tensors()
+                self.protect(written)
+                with torch.no_grad():
+                    rule.apply(ctx)
+                self._dirty.update(id(t) for t in written)
+        fast_dst: list[torch.Tensor] = []
+        fast_src: list[torch.Tensor] = []
+        slow: list[Entry] = []
+        for e in self.entries.values():
+            phases = e.phases()
+            if phase not in phases:
+                continue
+            if len(phases) == 1 and id(e.target) not in self._dirty and not (
+                phase != BEFORE_GRAD and e.trainable and GRAD in self.done_phases
+            ):
+                fast_dst.append(_plain(e.target).detach())
+                fast_src.append(e.value.detach())
+            else:
+                slow.append(e)
+        self.protect(fast_dst + [e.target for e in slow])
+        with torch.no_grad():
+            if fast_dst:
+                grouped = _group_tensors_by_device_and_dtype([fast_dst, fast_src])
+                for _k, ([dst, src], _) in grouped.items():
+                    torch._foreach_copy_(dst, src)
+            for e in slow:
+                raw = _plain(e.target).detach()
+                val: torch.Tensor = raw
+                for r in e.records:
+                    if r.phase == phase:
+                        operand = r.operand.detach() if isinstance(r.operand, torch.Tensor) else r.operand
+                        val = apply_op(r.op, val, operand, r.key, r.cond)
+                raw.copy_(val)
+        self._dirty.update(id(e.target) for e in self.entries.values() if phase in e.phases())
+        self.done_phases.add(phase)
+
+    def run_grad(self, closure: Any = None) -> Any:
+        """The optimizer's step (phase ``grad``)."""
+        out = None
+        if self.optimizer is not None:
+            self.protect_optimizer(all_params=closure is not None)
+            out = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+            self._dirty.update(self.opt_ids())
+        self.done_phases.add(GRAD)
+        return out
+
+    def finish(self) -> None:
+        self.state = "closed"
+
+
+def route(t: torch.Tensor, origin: str, op: str) -> tuple[Transaction | None, Entry | None]:
+    """Find the transaction that owns target ``t``; (None, None) means apply eagerly."""
+    for tx in reversed(_state.explicit):
+        e = tx.find(t)
+        if e is not None:
+            return tx, e
+    for att in list(_state.attachments):
+        tx, e = att.route(t)
+        if e is not None:
+            return tx, e
+    if _state.explicit:
+        tx = _state.explicit[-1]
+        model = tx.index.model
+        raise UpdateError(
+            f"pu.{op} on {describe(t)} at {origin}: the target is not a parameter or buffer of the model "
+            f"of the step in progress ({type(model).__name__}). Register it on that model "
+            "(as a pu.Parameter, an nn.Parameter or a buffer), or issue the update outside the step."
+        )
+    return None, None
+
+
+def pending_value(t: torch.Tensor) -> torch.Tensor | None:
+    """The pending value of ``t`` in any live transaction, or None."""
+    for tx in reversed(_state.explicit):
+        e = tx.find(t, create=False)
+        if e is not None:
+            return e.value
+    for att in _state.attachments:
+        tx = att.tx
+        if tx is not None:
+            e = tx.find(t, create=False)
+            if e is not None:
+                return e.value
+    return None

@@ -1,0 +1,88 @@
+"""``assign`` / ``assign_add`` / ``assign_sub`` / ``assign_key`` and ``read``.
+
+Inside a step (``pu.step``, ``pu.Stepper``, or a model under ``pu.attach``)
+an update is validated at its call site and recorded; reads issued after it
+see it (rule 1); nothing is written until commit (rule 2), which applies it
+in its phase (rule 4):
+
+* ``phase=None``: the ``auxiliary`` phase, after the gradient update. On a
+  trainable target (one the optimizer also updates) that is ambiguous and
+  raises :class:`~paramupdates.AmbiguousOrderError` (rule 5);
+* ``phase="before_grad"`` / ``"after_grad"``: before / after ``optimizer.step()``;
+* ``phase="after_step"``: with EMA, after everything else.
+
+Outside a step an update applies at once, in place, under ``torch.no_grad()``
+(rule 8). Inside ``pu.when(False)`` nothing is recorded; inside
+``pu.when(tensor)`` the update becomes ``new = where(pred, new, old)``.
+``sync="mean"``/``"sum"`` all-reduces the pending value across the default
+process group at commit (rule 9). All return ``None``: read the target to see
+the new value.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import conditions
+from ._ops import apply_inplace, check_operand
+from ._origin import call_site
+from .errors import UpdateError
+from .targets import describe
+from .transaction import _plain, pending_value, route
+
+
+def _issue(op: str, target: torch.Tensor, operand: Any, key: Any, phase: str | None, sync: str | None) -> None:
+    cond = conditions.current()
+    if cond is False:
+        return
+    origin = call_site(3)
+    if not isinstance(target, torch.Tensor):
+        raise UpdateError(
+            f"pu.{op} at {origin}: the target is a {type(target).__name__}, not a tensor. "
+            "Pass a pu.Parameter or a parameter or buffer of your model."
+        )
+    tx, entry = route(target, origin, op)
+    if tx is not None and entry is not None:
+        tx.record(entry, op, operand, key, phase, sync, origin)
+        return
+    # Outside a step: eager, in place, under no_grad (rule 8).
+    name = describe(target)
+    check_operand(op, target, operand, key, name, origin)
+    apply_inplace(op, target, operand, key, cond if isinstance(cond, torch.Tensor) else None)
+
+
+def assign(target: torch.Tensor, value: Any, *, phase: str | None = None, sync: str | None = None) -> None:
+    """``target <- value`` (rule 4 phase ``phase``; see the module docstring)."""
+    _issue("assign", target, value, None, phase, sync)
+
+
+def assign_add(target: torch.Tensor, delta: Any, *, phase: str | None = None, sync: str | None = None) -> None:
+    """``target <- target + delta``; several in one phase compose in issue order."""
+    _issue("assign_add", target, delta, None, phase, sync)
+
+
+def assign_sub(target: torch.Tensor, delta: Any, *, phase: str | None = None, sync: str | None = None) -> None:
+    """``target <- target - delta``; several in one phase compose in issue order."""
+    _issue("assign_sub", target, delta, None, phase, sync)
+
+
+def assign_key(
+    target: torch.Tensor, key: Any, value: Any, *, phase: str | None = None, sync: str | None = None
+) -> None:
+    """``target[key] <- value`` (out of place until commit: ``new = old.clone(); new[key] = value``)."""
+    _issue("assign_key", target, value, key, phase, sync)
+
+
+def read(target: torch.Tensor) -> torch.Tensor:
+    """The value of ``target`` as the step in progress sees it.
+
+    Returns the pending value if an update to ``target`` was issued in the
+    step in progress, else ``target`` itself. Needed only for plain
+    ``torch.nn.Parameter`` targets read through an old reference: a
+    ``pu.Parameter`` reads its pending value by itself, a buffer through its
+    module attribute.
+    """
+    v = pending_value(target)
+    return target if v is None else _plain(v)

@@ -78,7 +78,7 @@ def check_operand(op: str, target: torch.Tensor, operand: Any, key: Any, name: s
     if isinstance(operand, torch.Tensor):
         if operand.device != target.device and not (operand.dim() == 0 and operand.device.type == "cpu"):
             raise UpdateError(
-                f"{where_}: value is on {operand.device}, the target on {target.device}. "
+                f"{where_}: value is on device {operand.device}, the target on device {target.device}. "
                 f"Move it first: value.to({str(target.device)!r})."
             )
         if not _kind_ok(operand.dtype, target.dtype):

@@ -269,10 +269,13 @@ class Attachment(_Owner):
     call :meth:`flush` to commit the pending updates without a gradient
     update, or :meth:`discard` to drop them. :meth:`detach` removes the hooks.
 
+    Updates issued inside ``optimizer.step()`` (an LBFGS closure's forward)
+    join the step being committed and land in its later phases.
+
     If ``optimizer.step()`` itself raises, the post-hook never runs: the
-    before_grad writes and whatever the optimizer wrote are rolled back at the
-    attachment's next use (call :meth:`discard` in your ``except`` block to
-    roll back at once).
+    before_grad writes and whatever the optimizer wrote are rolled back by the
+    next ``optimizer.step()``, :meth:`flush` or :meth:`state_dict` (with a
+    warning). Call :meth:`discard` in your ``except`` block to roll back at once.
     """
 
     def __init__(
@@ -300,7 +303,8 @@ class Attachment(_Owner):
 
     # routing -------------------------------------------------------------
     def route(self, t: torch.Tensor) -> tuple[Transaction | None, Entry | None]:
-        self._recover()
+        # Between the pre- and post-hook (inside optimizer.step(), e.g. an LBFGS
+        # closure) updates join the committing step and land in its later phases.
         if self.tx is not None:
             e = self.tx.find(t)
             return (self.tx, e) if e is not None else (None, None)
@@ -311,7 +315,7 @@ class Attachment(_Owner):
 
     def _recover(self) -> None:
         """Roll back a commit whose optimizer step raised (no post-hook came)."""
-        if self._in_step and self.tx is not None and not self._hooks_running:
+        if self._in_step and not self._hooks_running:
             warnings.warn(
                 "pu.attach: the last optimizer.step() raised; its step was rolled back.", stacklevel=3
             )
@@ -332,8 +336,7 @@ class Attachment(_Owner):
 
     # hooks ----------------------------------------------------------------
     def _pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._in_step:  # the previous step raised inside the optimizer
-            self._abort()
+        self._recover()  # the previous optimizer.step() raised
         if self.tx is None:
             self.tx = self._new_tx(f"pu.attach({type(self.model).__name__})")
         tx = self.tx
@@ -351,6 +354,7 @@ class Attachment(_Owner):
             closure = kwargs.get("closure") if kwargs else (args[0] if args else None)
             tx.protect_optimizer(all_params=closure is not None)
             tx._dirty.update(tx.opt_ids())
+            tx.reinstall_overlay()  # reads in an LBFGS closure see the pending values (rule 1)
         except BaseException:
             self._abort()
             raise
@@ -424,6 +428,10 @@ class Attachment(_Owner):
         self._post.remove()
         if self in _state.attachments:
             _state.attachments.remove(self)
+
+    def state_dict(self) -> dict[str, Any]:
+        self._recover()
+        return super().state_dict()
 
     def pending_schedule(self) -> Schedule:
         """The plan so far of the open step (empty if none is open)."""

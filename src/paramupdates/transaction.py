@@ -163,7 +163,7 @@ class Transaction:
         self.state = "open"  # open -> committing -> closed
         self.done_phases: set[str] = set()
         self._opt_ids: set[int] | None = None
-        self._protected: set[int] = set()
+        self._protected: set[tuple] = set()
         self._snapshots: list[tuple[list[torch.Tensor], torch.Tensor]] = []
         self._opt_saved: dict[int, tuple[torch.Tensor, dict | None]] | None = None
         self._rule_saved: list[tuple[Rule, Any]] = []
@@ -299,6 +299,12 @@ class Transaction:
             if _state.pu_pending.get(id(e.target)) is e:
                 del _state.pu_pending[id(e.target)]
 
+    def reinstall_overlay(self) -> None:
+        """Show still-pending values again (inside ``optimizer.step()`` under attach)."""
+        for e in self.entries.values():
+            if e.value is not None and e.phases() - self.done_phases:
+                self.set_value(e, e.value)
+
     def discard(self) -> None:
         """Drop every pending update; storage was never touched."""
         self.remove_overlay()
@@ -381,9 +387,12 @@ class Transaction:
             return
         fresh = []
         for t in tensors:
-            if id(t) not in self._protected:
-                self._protected.add(id(t))
-                fresh.append(t.detach())
+            # Keyed by the memory written, so that a tensor and its detached
+            # alias are one; a tensor is snapshotted once, before its first write.
+            key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+            if key not in self._protected:
+                self._protected.add(key)
+                fresh.append(_plain(t).detach())
         if not fresh:
             return
         grouped = _group_tensors_by_device_and_dtype([fresh])

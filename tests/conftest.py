@@ -1,0 +1,50 @@
+import pytest
+import torch
+
+from paramupdates import _state
+from paramupdates.rules import base as rules_base
+
+
+@pytest.fixture(autouse=True)
+def _clean_state():
+    """Each test starts with no step in progress, no attachment, no declared rule."""
+    torch.manual_seed(0)
+    yield
+    for att in list(_state.attachments):
+        att.detach()
+    _state.explicit.clear()
+    _state.pu_pending.clear()
+    _state.replay = None
+    rules_base._RULES.clear()
+
+
+def bits(t):
+    """The raw bytes of a tensor (bitwise comparison, NaN payloads and -0.0 included)."""
+    t = t.detach().contiguous().reshape(-1)
+    return t.view(torch.uint8) if (t.is_floating_point() or t.is_complex()) else t
+
+
+def snapshot(*objs):
+    """Bitwise copy of every tensor of modules/optimizers/tensors given."""
+    out = []
+    for o in objs:
+        if isinstance(o, torch.nn.Module):
+            out.extend((k, v.detach().clone()) for k, v in o.state_dict(keep_vars=True).items())
+        elif isinstance(o, torch.optim.Optimizer):
+            for p, st in o.state.items():
+                out.extend((f"state{id(p)}.{k}", v.clone() if torch.is_tensor(v) else v) for k, v in st.items())
+            out.append(("nstate", len(o.state)))
+        elif torch.is_tensor(o):
+            out.append(("t", o.detach().clone()))
+    return out
+
+
+def assert_same(a, b):
+    assert len(a) == len(b)
+    for (ka, va), (kb, vb) in zip(a, b):
+        assert ka == kb
+        if torch.is_tensor(va):
+            assert va.dtype == vb.dtype and va.shape == vb.shape, ka
+            assert torch.equal(bits(va), bits(vb)), f"{ka} changed"
+        else:
+            assert va == vb, ka

@@ -16,6 +16,7 @@ every parameter and buffer is bitwise what it was before the step (rule 7).
 
 from __future__ import annotations
 
+import datetime
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,6 +28,7 @@ from torch import nn
 from . import _state
 from ._origin import call_site
 from .errors import UpdateError
+from .integrations.distributed import check_group
 from .rules.base import rules_for
 from .schedule import AFTER_GRAD, AFTER_STEP, AUXILIARY, BEFORE_GRAD, Schedule
 from .targets import index_of
@@ -50,10 +52,15 @@ class _Owner:
         on_nonfinite: str,
         check_finite: bool,
         atomic: bool,
+        process_group: Any = None,
+        sync_timeout: float | datetime.timedelta | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
         _check_nonfinite(on_nonfinite)
+        self.process_group = process_group
+        self.sync_timeout = check_group(process_group, sync_timeout)
+        self.opened = 0  # steps opened (committed, skipped or discarded): ranks must agree (rule 9)
         self.model = model
         self.optimizer = optimizer
         self.on_nonfinite = on_nonfinite
@@ -65,6 +72,7 @@ class _Owner:
         self._last = Schedule()
 
     def _new_tx(self, label: str) -> Transaction:
+        self.opened += 1
         return Transaction(
             self.index,
             self.optimizer,
@@ -72,6 +80,9 @@ class _Owner:
             on_nonfinite=self.on_nonfinite,
             atomic=self.atomic,
             label=label,
+            process_group=self.process_group,
+            sync_timeout=self.sync_timeout,
+            seq=self.opened,
         )
 
     def schedule(self) -> Schedule:
@@ -146,6 +157,12 @@ class Stepper(_Owner):
             by the optimizer or a rule restores everything (costs one copy of
             the written tensors during the commit).
         closure: passed to ``optimizer.step(closure)`` (LBFGS and friends).
+        process_group: the ``torch.distributed`` group that ``sync="mean"``/``"sum"``
+            updates reduce over at commit (rule 9); ``None``: the default group.
+            Every rank of the group must commit its steps together.
+        sync_timeout: seconds (or a ``timedelta``) to wait for the other ranks at
+            the commit's all-reduce before raising :class:`UpdateError`; ``None``:
+            the group's own timeout (``init_process_group(timeout=...)``).
     """
 
     def __init__(
@@ -157,8 +174,10 @@ class Stepper(_Owner):
         check_finite: bool = True,
         atomic: bool = True,
         closure: Callable[[], Any] | None = None,
+        process_group: Any = None,
+        sync_timeout: float | datetime.timedelta | None = None,
     ) -> None:
-        super().__init__(model, optimizer, on_nonfinite, check_finite, atomic)
+        super().__init__(model, optimizer, on_nonfinite, check_finite, atomic, process_group, sync_timeout)
         self.closure = closure
         self._tx: Transaction | None = None
         self.result: Any = None
@@ -242,6 +261,8 @@ def step(
     check_finite: bool = True,
     atomic: bool = True,
     closure: Callable[[], Any] | None = None,
+    process_group: Any = None,
+    sync_timeout: float | datetime.timedelta | None = None,
 ) -> Any:
     """One training step as a transaction (context manager yielding a :class:`Stepper`).
 
@@ -249,10 +270,18 @@ def step(
     issued in the block and, on a clean exit, commits them in the fixed phase
     order (``before_grad``, ``optimizer.step()``, ``after_grad``,
     ``auxiliary``, ``after_step``). An exception discards the step.
-    ``s.schedule()`` afterwards is the committed plan.
+    ``s.schedule()`` afterwards is the committed plan. ``process_group`` and
+    ``sync_timeout``: see :class:`Stepper` (rule 9).
     """
     return Stepper(
-        model, optimizer, on_nonfinite=on_nonfinite, check_finite=check_finite, atomic=atomic, closure=closure
+        model,
+        optimizer,
+        on_nonfinite=on_nonfinite,
+        check_finite=check_finite,
+        atomic=atomic,
+        closure=closure,
+        process_group=process_group,
+        sync_timeout=sync_timeout,
     ).step()
 
 
@@ -286,8 +315,10 @@ class Attachment(_Owner):
         on_nonfinite: str = "raise",
         check_finite: bool = True,
         atomic: bool = True,
+        process_group: Any = None,
+        sync_timeout: float | datetime.timedelta | None = None,
     ) -> None:
-        super().__init__(model, optimizer, on_nonfinite, check_finite, atomic)
+        super().__init__(model, optimizer, on_nonfinite, check_finite, atomic, process_group, sync_timeout)
         self.tx: Transaction | None = None
         self._in_step = False
         self._skip_grads: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
@@ -448,6 +479,8 @@ def attach(
     on_nonfinite: str = "raise",
     check_finite: bool = True,
     atomic: bool = True,
+    process_group: Any = None,
+    sync_timeout: float | datetime.timedelta | None = None,
 ) -> Attachment:
     """Commit ``model``'s updates inside ``optimizer.step()`` via its step pre/post hooks.
 
@@ -455,6 +488,17 @@ def attach(
     applies ``before_grad``; the optimizer applies the gradients; the
     post-hook applies ``after_grad``, ``auxiliary`` and ``after_step``.
     Returns an :class:`Attachment` (``.schedule()``, ``.flush()``,
-    ``.discard()``, ``.state_dict()``, ``.detach()``).
+    ``.discard()``, ``.state_dict()``, ``.detach()``). ``process_group`` and
+    ``sync_timeout``: see :class:`Stepper` (rule 9); under attach the commit's
+    all-reduce runs in the pre-hook of ``optimizer.step()`` (or in ``flush()``),
+    so every rank must call those together.
     """
-    return Attachment(model, optimizer, on_nonfinite=on_nonfinite, check_finite=check_finite, atomic=atomic)
+    return Attachment(
+        model,
+        optimizer,
+        on_nonfinite=on_nonfinite,
+        check_finite=check_finite,
+        atomic=atomic,
+        process_group=process_group,
+        sync_timeout=sync_timeout,
+    )

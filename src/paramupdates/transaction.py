@@ -90,6 +90,7 @@ class Entry:
     value: torch.Tensor | None = None
     records: list[Record] = field(default_factory=list)
     swapped: bool = False
+    sync: str | None = None  # "mean"/"sum" when an update of this step asked for it (rule 9)
 
     def base(self) -> torch.Tensor:
         return self.target
@@ -150,8 +151,17 @@ class Transaction:
         on_nonfinite: str = "raise",
         atomic: bool = True,
         label: str = "pu.step",
+        process_group: Any = None,
+        sync_timeout: float | None = None,
+        seq: int = 0,
     ) -> None:
         self.index = index
+        # Rule 9: synced values are reduced over ``process_group`` (None: the
+        # default group), waiting at most ``sync_timeout`` seconds; ``seq``
+        # numbers the steps of the owner, so ranks can check they agree.
+        self.process_group = process_group
+        self.sync_timeout = sync_timeout
+        self.seq = seq
         self.optimizer = optimizer
         self.check_finite = check_finite
         self.on_nonfinite = on_nonfinite
@@ -224,13 +234,10 @@ class Transaction:
                 f"{fn} on {e.name!r} at {origin}: unknown phase {phase!r}; use one of "
                 f"None, 'before_grad', 'after_grad', 'after_step'."
             )
-        if sync not in (None, "mean", "sum"):
-            raise UpdateError(f"{fn} on {e.name!r} at {origin}: sync must be None, 'mean' or 'sum', not {sync!r}.")
-        if sync is not None and e.trainable:
-            raise UpdateError(
-                f"{fn} on {e.name!r} at {origin}: sync={sync!r} on a trainable parameter is not supported "
-                "(DDP already averages its gradients). Sync auxiliary (non-trainable) targets only."
-            )
+        if sync is not None or e.sync is not None:
+            from .integrations.distributed import check_sync
+
+            check_sync(self, e, sync, phase, fn, origin)
         if phase in self.done_phases:
             raise UpdateError(
                 f"{fn} on {e.name!r} at {origin} with phase={phase!r} was issued after that phase was "
@@ -259,6 +266,8 @@ class Transaction:
             replay.set_value(self, e, new)
             return
         e.records.append(rec)
+        if sync is not None:
+            e.sync = sync
         self.order.append((e, rec))
         self.set_value(e, new)
 
@@ -343,42 +352,62 @@ class Transaction:
         self.state = "committing"
         self.remove_overlay()
         self.collect_rules()
-        synced = [e for e in self.entries.values() if any(r.sync for r in e.records)]
+        synced = [e for e in self.entries.values() if e.sync is not None]
+        remote_bad = 0
         if synced:
-            from .integrations.distributed import sync_entries
+            from .integrations import distributed
 
-            sync_entries(synced)
+            distributed.check_rules(self, synced)
+            if distributed.is_distributed(self.process_group):
+                # Rule 9: reduce the synced values; other ranks' finiteness of
+                # their unsynced values rides along, so all ranks decide alike.
+                local = None
+                if self.check_finite:
+                    ok = self._finite_flag([e for e in self.entries.values() if e.sync is None])
+                    local = None if ok is None else (~ok).to(torch.int64)
+                remote_bad = distributed.sync_entries(self, synced, local)
         if self.check_finite:
             bad = self._nonfinite()
-            if bad:
+            if bad or remote_bad:
                 if self.on_nonfinite == "skip":
                     self.skipped = True
                     self.state = "closed"
                     return False
-                lines = "; ".join(f"{e.name!r} (last update at {e.records[-1].origin})" for e in bad)
                 self.state = "closed"
+                if not bad:
+                    raise UpdateError(
+                        f"{self.label}: {remote_bad} other rank(s) have non-finite pending values in this "
+                        "step (see their error). Nothing was written on any rank. Fix the value, or pass "
+                        "on_nonfinite='skip' to drop such steps (they are counted, on every rank alike)."
+                    )
+                lines = "; ".join(f"{e.name!r} (last update at {e.records[-1].origin})" for e in bad)
                 raise UpdateError(
                     f"{self.label}: non-finite pending value for {lines}. Nothing was written. "
                     "Fix the value, or pass on_nonfinite='skip' to drop such steps (they are counted)."
                 )
         return True
 
-    def _nonfinite(self) -> list[Entry]:
-        ents = [
-            e for e in self.entries.values()
-            if e.value is not None and (e.value.is_floating_point() or e.value.is_complex())
-        ]
+    @staticmethod
+    def _float_entries(entries: Any) -> list[Entry]:
+        return [e for e in entries if e.value is not None and (e.value.is_floating_point() or e.value.is_complex())]
+
+    def _finite_flag(self, entries: Any) -> torch.Tensor | None:
+        """A 0-dim bool on the CPU: all pending values of ``entries`` finite (None if none is floating)."""
+        ents = self._float_entries(entries)
         if not ents:
-            return []
-        vals = [e.value.detach() for e in ents]
+            return None
         flags = []
-        grouped = _group_tensors_by_device_and_dtype([vals])
+        grouped = _group_tensors_by_device_and_dtype([[e.value.detach() for e in ents]])
         for (_dev, _dt), ([ts], _) in grouped.items():
             norms = torch._foreach_norm(ts, math.inf)
             flags.append(torch.stack(norms).isfinite().all().cpu())
-        if bool(torch.stack(flags).all()):
+        return torch.stack(flags).all()
+
+    def _nonfinite(self) -> list[Entry]:
+        ok = self._finite_flag(self.entries.values())
+        if ok is None or bool(ok):
             return []
-        return [e for e, v in zip(ents, vals) if not bool(v.isfinite().all())]
+        return [e for e in self._float_entries(self.entries.values()) if not bool(e.value.isfinite().all())]
 
     # --- snapshots ------------------------------------------------------
     def protect(self, tensors: list[torch.Tensor]) -> None:
@@ -457,9 +486,11 @@ class Transaction:
             phases = e.phases()
             if phase not in phases:
                 continue
-            if len(phases) == 1 and id(e.target) not in self._dirty and not (
+            # A synced target (rule 9) commits its reduced value: it has one
+            # phase, is not trainable and no rule writes it (checked before).
+            if e.sync is not None or (len(phases) == 1 and id(e.target) not in self._dirty and not (
                 phase != BEFORE_GRAD and e.trainable and GRAD in self.done_phases
-            ):
+            )):
                 fast_dst.append(_plain(e.target).detach())
                 fast_src.append(e.value.detach())
             else:

@@ -1,52 +1,283 @@
-"""``sync="mean"`` / ``sync="sum"``: all-reduce pending values at commit (rule 9).
+"""``sync="mean"`` / ``sync="sum"``: every rank commits the same value (rule 9).
 
-At commit, before validation and before anything is written, the pending
-values of synced targets are flattened into one bucket per (device, dtype,
-reduction) and all-reduced over the default process group, so every rank
-commits the same value. Without an initialised process group (a single
-process) the world has one member and sync changes nothing.
+The rule
+    A target is *synced* in a step when one of its updates in that step asks
+    for ``sync``. At commit, before anything is validated or written, the
+    target's pending value ``v_r`` (its value at the end of the step on rank
+    ``r``, after all of that rank's updates, in program order) is replaced on
+    every rank by
+
+    * ``sync="sum"``:  ``sum_r v_r``
+    * ``sync="mean"``: ``(sum_r v_r) / R`` (``R`` = size of the process group;
+      for integer targets the quotient is floored, ``torch.div(...,
+      rounding_mode="floor")``)
+
+    so every rank writes bitwise the same value. For an update of the form
+    ``v_r = (1 - m) * old + m * s_r`` with ``old`` equal on all ranks (as
+    after any synced commit), ``"mean"`` commits ``(1 - m) * old + m *
+    mean_r(s_r)``: the mean over ranks of the per-rank updates. Because the
+    values, not the deltas, are averaged, ranks whose ``old`` differ (buffers
+    not broadcast at DDP construction) agree from the first synced commit on.
+
+Collectives
+    The pending values are flattened into one bucket per (device, reduction
+    dtype) and all-reduced with one ``all_reduce(SUM)`` per bucket, whatever
+    the number of targets and of reductions: ``float16``/``bfloat16``/
+    ``float32`` travel as ``float32`` (the sum is rounded once, back to the
+    target's dtype), integers as ``int64``, ``float64`` and complex as
+    themselves. A model whose statistics are all ``float32`` on one device
+    costs one collective per step.
+
+    Seven numbers ride in the first bucket, so that agreeing costs nothing
+    extra: the number of ranks whose *unsynced* pending values are not finite
+    (so that ``on_nonfinite="skip"`` drops the step on every rank or on none,
+    and ``"raise"`` raises on every rank), and a fingerprint ``x`` of the
+    bucket layout (targets, shapes, dtypes, reductions, and the number of
+    steps this stepper has opened), sent as small integers ``x`` together with
+    ``x**2``: every rank sent the same ``x`` exactly when ``R * sum(x**2) ==
+    sum(x)**2``. Ranks that
+    disagree (one took a different branch, or skipped a step after an
+    exception and went on) get an :class:`~paramupdates.UpdateError` on every
+    rank, before anything is written. (A layout of a different *size* cannot
+    be caught this way: gloo aborts the process with "Received data size
+    doesn't match"; ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` names the collective.)
+
+Group and timeout
+    ``pu.Stepper(..., process_group=g, sync_timeout=s)`` (and the same
+    arguments of ``pu.step`` and ``pu.attach``) reduce over ``g`` (default:
+    the default process group) and wait at most ``s`` seconds for the other
+    ranks (default: the group's own timeout, ``init_process_group(timeout=)``,
+    30 minutes unless set). A rank that raised inside its step and never
+    reaches the commit makes the others raise :class:`UpdateError` after
+    the timeout, with nothing written; the process group is then unusable
+    (a collective is left half done): destroy it and restart.
+
+Without an initialised process group (one process), or in a group of one,
+sync is the identity and costs nothing.
 """
 
 from __future__ import annotations
 
+import datetime
+import time
+import zlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+from ..errors import UpdateError
+
 if TYPE_CHECKING:
-    from ..transaction import Entry
+    from ..transaction import Entry, Transaction
+
+SYNC_KINDS = ("mean", "sum")
+_CHUNKS = 3  # the layout fingerprint travels as 3 small integers x_i and their squares
+_HEADER = 1 + 2 * _CHUNKS  # [ranks with non-finite unsynced values, x_1..x_3, x_1**2..x_3**2]
 
 
-def _reduction(e: Entry) -> str:
-    kinds = {r.sync for r in e.records if r.sync}
-    if len(kinds) > 1:
-        from ..errors import UpdateError
+def is_distributed(group: Any = None) -> bool:
+    """Whether sync has anything to do: an initialised group of more than one rank."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
+
+def check_group(process_group: Any, sync_timeout: float | datetime.timedelta | None) -> float | None:
+    """Validate ``process_group`` / ``sync_timeout`` of a stepper; the timeout in seconds."""
+    if process_group is not None and not (dist.is_available() and dist.is_initialized()):
         raise UpdateError(
-            f"{e.name!r}: updates in one step ask for different sync reductions {sorted(kinds)} "
-            f"(last at {e.records[-1].origin}); use one."
+            "process_group was given, but torch.distributed is not initialised: call "
+            "torch.distributed.init_process_group(...) before creating the stepper."
         )
-    return kinds.pop()
+    if sync_timeout is None:
+        return None
+    secs = sync_timeout.total_seconds() if isinstance(sync_timeout, datetime.timedelta) else float(sync_timeout)
+    if not secs > 0:
+        raise ValueError(f"sync_timeout must be a positive number of seconds, not {sync_timeout!r}")
+    return secs
 
 
-def sync_entries(entries: Sequence[Entry], group: dist.ProcessGroup | None = None) -> None:
-    """All-reduce the pending value of each entry (bucketed), in place of the value."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a synced value travels (and is summed) in."""
+    if dtype.is_complex:
+        return dtype
+    if dtype.is_floating_point:
+        return torch.float64 if dtype == torch.float64 else torch.float32
+    return torch.int64
+
+
+def _ddp_broadcasting(tx: Transaction) -> Any:
+    """The DistributedDataParallel that broadcasts this model's buffers in forward, if any.
+
+    The model given to the stepper may be the DDP wrapper itself, or its
+    ``.module``; in the second case the wrapper is the one whose forward is
+    running (DDP sets ``_active_ddp_module`` around its module's forward).
+    """
+    try:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return None
+    for m in (getattr(DDP, "_active_ddp_module", None), tx.index.model):
+        if isinstance(m, DDP):
+            will = getattr(m, "will_sync_module_buffers", None)
+            if will() if will is not None else bool(getattr(m, "broadcast_buffers", False)):
+                return m
+    return None
+
+
+def check_sync(tx: Transaction, e: Entry, sync: str | None, phase: str, fn: str, origin: str) -> None:
+    """Validate an update of a target that is (or becomes) synced; called at the call site."""
+    where_ = f"{fn} on {e.name!r} at {origin}"
+    if sync is not None:
+        if sync not in SYNC_KINDS:
+            raise UpdateError(f"{where_}: sync must be None, 'mean' or 'sum', not {sync!r}.")
+        if e.trainable:
+            raise UpdateError(
+                f"{where_}: sync={sync!r} on a trainable parameter is not supported "
+                "(DDP already averages its gradients). Sync auxiliary (non-trainable) targets only."
+            )
+        if e.target.dtype == torch.bool:
+            raise UpdateError(
+                f"{where_}: sync={sync!r} on a bool tensor has no meaning (a sum of bools is not a bool). "
+                "Keep the flag as an integer (sync='sum' counts ranks) and compare it."
+            )
+        if e.sync is not None and e.sync != sync:
+            first = next(r.origin for r in e.records if r.sync)
+            raise UpdateError(
+                f"{where_}: sync={sync!r}, but an earlier update of {e.name!r} in this step (at {first}) "
+                f"asked for sync={e.sync!r}. A target is reduced once per step: use one reduction."
+            )
+        if e.info is not None and e.info.kind == "buffer":
+            ddp = _ddp_broadcasting(tx)
+            if ddp is not None:
+                raise UpdateError(
+                    f"{where_} asks for sync={sync!r}, but the DistributedDataParallel around this model "
+                    "broadcasts buffers (broadcast_buffers=True, the default): at the start of every forward it "
+                    "copies rank 0's buffers into every rank, in place, so the pending statistics of the other "
+                    "ranks would be overwritten between micro-batches (lost) and a buffer written before commit. "
+                    "paramupdates already makes every rank commit the same value: construct it with "
+                    "DistributedDataParallel(..., broadcast_buffers=False) "
+                    "(forward_sync_buffers=False on torch >= 2.13)."
+                )
+    synced = sync is not None or e.sync is not None
+    if synced and e.records and any(r.phase != phase for r in e.records):
+        other = next(r for r in e.records if r.phase != phase)
+        raise UpdateError(
+            f"{where_}: {e.name!r} is synced in this step, and its updates would land in two phases "
+            f"({other.phase!r} at {other.origin}, {phase!r} here). A synced target is reduced once, as "
+            "its final value: issue all its updates of a step in one phase."
+        )
+
+
+def check_rules(tx: Transaction, synced: Sequence[Entry]) -> None:
+    """A declared rule may not write a synced target (its value is the reduced one)."""
+    ids = {id(e.target): e for e in synced}
+    for rule in tx.rules:
+        for t in rule.tensors():
+            e = ids.get(id(t))
+            if e is not None:
+                raise UpdateError(
+                    f"{tx.label}: {e.name!r} is synced in this step (update at {e.records[-1].origin}) and "
+                    f"also written by the {rule.kind} rule declared at {rule.origin}. A synced target commits "
+                    "its reduced value: exclude it from the rule, or drop sync."
+                )
+
+
+def _fingerprint(plan: Sequence[tuple[Any, Sequence[Entry]]], seq: int, world: int) -> list[int]:
+    """``_CHUNKS`` integers in ``[0, 2**b)`` from a CRC of the layout and the step number.
+
+    ``b`` is chosen so that ``world * sum(x**2)`` is exact in float32 (24-bit
+    mantissa), the narrowest dtype a bucket travels in: 11 bits a chunk (33
+    bits in all, the whole CRC) for 2 ranks, 5 bits for 4096 ranks.
+    """
+    text = ";".join(
+        f"{key}|" + ",".join(f"{e.name}:{tuple(e.value.shape)}:{e.value.dtype}:{e.sync}" for e in ents)
+        for key, ents in plan
+    )
+    crc = zlib.crc32(f"{seq}#{text}".encode())
+    b = max(1, (24 - world.bit_length()) // 2)
+    return [(crc >> (b * i)) % (1 << b) for i in range(_CHUNKS)]
+
+
+def _fail(tx: Transaction, entries: Sequence[Entry], what: str, group: Any) -> UpdateError:
+    names = ", ".join(repr(e.name) for e in entries[:4]) + (", ..." if len(entries) > 4 else "")
+    return UpdateError(
+        f"{tx.label}: sync of {len(entries)} target(s) ({names}; last update at {entries[-1].records[-1].origin}) "
+        f"over {dist.get_world_size(group)} ranks {what} Nothing was written on this rank."
+    )
+
+
+def sync_entries(tx: Transaction, entries: Sequence[Entry], local_nonfinite: torch.Tensor | None = None) -> int:
+    """All-reduce the pending values of ``entries`` in place of the values (see the module docstring).
+
+    ``local_nonfinite``: a 0-dim tensor, 1 if this rank's unsynced pending
+    values are not all finite. Returns how many ranks reported such values.
+    """
+    group = tx.process_group
+    if not is_distributed(group):
+        return 0
     world = dist.get_world_size(group)
-    buckets: dict[tuple[torch.device, torch.dtype, str], list[Entry]] = {}
+    groups: dict[tuple[str, str], list[Entry]] = {}
     for e in entries:
-        assert e.value is not None
-        buckets.setdefault((e.value.device, e.value.dtype, _reduction(e)), []).append(e)
-    for (_dev, dtype, how), ents in sorted(buckets.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]), kv[0][2])):
-        flat = torch.cat([e.value.detach().reshape(-1) for e in ents])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        if how == "mean":
-            if dtype.is_floating_point or dtype.is_complex:
-                flat = flat / world
+        assert e.value is not None and e.sync is not None
+        v = e.value
+        groups.setdefault((str(v.device), str(_acc_dtype(v.dtype))), []).append(e)
+    # Deterministic on every rank: buckets by (device, dtype), means before sums.
+    plan = [(k, sorted(groups[k], key=lambda e: e.sync != "mean")) for k in sorted(groups)]
+    fp = _fingerprint(plan, tx.seq, world)
+    flats: list[torch.Tensor] = []
+    for i, (_k, ents) in enumerate(plan):
+        v0 = ents[0].value
+        acc = _acc_dtype(v0.dtype)
+        parts = [e.value.detach().reshape(-1).to(acc) for e in ents]
+        if i == 0:
+            bad = torch.zeros((), dtype=acc, device=v0.device) if local_nonfinite is None else local_nonfinite.to(
+                device=v0.device, dtype=acc
+            )
+            fixed = torch.tensor(fp + [x * x for x in fp], dtype=acc, device=v0.device)
+            parts = [bad.reshape(1), fixed, *parts]
+        flats.append(torch.cat(parts))
+    deadline = None if tx.sync_timeout is None else time.monotonic() + tx.sync_timeout
+    try:
+        works = [dist.all_reduce(f, op=dist.ReduceOp.SUM, group=group, async_op=True) for f in flats]
+        for w in works:
+            if deadline is None:
+                w.wait()
             else:
-                flat = torch.div(flat, world, rounding_mode="floor")
+                left = max(deadline - time.monotonic(), 0.001)
+                w.wait(datetime.timedelta(seconds=left))
+    except RuntimeError as err:
+        timeout = "" if tx.sync_timeout is None else f" (sync_timeout={tx.sync_timeout:g} s)"
+        raise _fail(
+            tx,
+            entries,
+            f"did not complete{timeout}: {err}. Another rank did not reach this commit (did it raise inside "
+            "its step, or stop?). The process group is now unusable (a collective is left half done): "
+            "destroy it (torch.distributed.destroy_process_group()) and restart the job.",
+            group,
+        ) from err
+    head = [int(h.real) if isinstance(h, complex) else int(h) for h in flats[0][:_HEADER].tolist()]
+    nbad, sx, sxx = head[0], head[1 : 1 + _CHUNKS], head[1 + _CHUNKS :]
+    # every rank sent the same x_i exactly when R * sum(x_i**2) == sum(x_i)**2 (Cauchy-Schwarz)
+    if any(world * q != s * s for s, q in zip(sx, sxx)):
+        raise _fail(
+            tx,
+            entries,
+            "disagree: the ranks are not committing the same synced targets (names, shapes, dtypes, "
+            "reductions) or not the same step of their stepper. Every rank must issue its synced updates "
+            "to the same targets in each step (a pu.when(tensor) condition is fine, a Python branch that "
+            "differs between ranks is not), and a rank whose step raised must not go on alone.",
+            group,
+        )
+    for i, (_k, ents) in enumerate(plan):
+        flat = flats[i][_HEADER:] if i == 0 else flats[i]
+        n_mean = sum(e.value.numel() for e in ents if e.sync == "mean")
+        if n_mean:
+            means = flat[:n_mean]
+            if means.is_floating_point() or means.is_complex():
+                means.div_(world)
+            else:
+                means.copy_(torch.div(means, world, rounding_mode="floor"))
         for e, part in zip(ents, flat.split([e.value.numel() for e in ents])):
-            e.value = part.view(e.value.shape).to(dtype)
+            e.value = part.view(e.value.shape).to(e.value.dtype)
+    return nbad

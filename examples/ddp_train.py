@@ -1,0 +1,102 @@
+"""Data-parallel training whose batch-norm statistics are synced, not lost.
+
+Run on CPU (gloo), two processes:
+
+    torchrun --nproc_per_node=2 examples/ddp_train.py
+
+Each rank sees its own data (rank 1's inputs are shifted by +1). With plain
+``torch.nn.BatchNorm2d`` under ``DistributedDataParallel`` (whose
+``broadcast_buffers=True`` default copies rank 0's buffers into every rank
+at each forward), rank 1's statistics would never count. Here the running
+statistics are committed with ``sync="mean"``: at the end of every step each
+rank's update is averaged over the ranks, in one all-reduce, and every rank
+writes the same value. The script checks that, and prints the step's plan.
+"""
+
+from __future__ import annotations
+
+import datetime
+import inspect
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import paramupdates as pu
+
+
+class SyncedBatchNorm2d(nn.BatchNorm2d):
+    """``nn.BatchNorm2d`` whose running statistics go through ``pu.assign(..., sync="mean")``.
+
+    Normalises with the local batch (like BatchNorm2d under DDP); the running
+    estimates become, on every rank, the mean over ranks of each rank's update:
+    ``running <- (1 - m) * running + m * mean_r(stat_r)``.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return super().forward(x)
+        mean = x.mean((0, 2, 3))
+        var = x.var((0, 2, 3), unbiased=False)
+        n = x.numel() / x.shape[1]
+        m = self.momentum
+        with torch.no_grad():
+            pu.assign(self.running_mean, (1 - m) * self.running_mean + m * mean, sync="mean")
+            pu.assign(self.running_var, (1 - m) * self.running_var + m * var * (n / (n - 1)), sync="mean")
+            pu.assign_add(self.num_batches_tracked, 1, sync="mean")
+        shape = (1, -1, 1, 1)
+        y = (x - mean.view(shape)) / torch.sqrt(var.view(shape) + self.eps)
+        return y * self.weight.view(shape) + self.bias.view(shape)
+
+
+def no_buffer_broadcast() -> dict[str, bool]:
+    """DDP's switch for buffer broadcasting in forward (renamed in torch 2.13)."""
+    params = inspect.signature(DDP.__init__).parameters
+    return {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
+
+
+def main() -> None:
+    # A timeout on every collective: a rank that dies or hangs makes the others raise, not wait forever.
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        SyncedBatchNorm2d(8),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 10),
+    )
+    ddp = DDP(model, **no_buffer_broadcast())  # pu syncs the statistics; DDP must not overwrite them
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    stepper = pu.Stepper(ddp, opt, sync_timeout=30.0)
+
+    g = torch.Generator().manual_seed(1 + rank)  # every rank its own data
+    accumulate = 2
+    for _ in range(10):
+        with stepper:  # one commit per optimizer step, after all micro-batches
+            for micro in range(accumulate):
+                with ddp.no_sync() if micro < accumulate - 1 else nullcontext():
+                    x = torch.randn(16, 3, 8, 8, generator=g) + rank
+                    y = torch.randint(0, 10, (16,), generator=g)
+                    (F.cross_entropy(ddp(x), y) / accumulate).backward()
+        opt.zero_grad()
+
+    bn = model[1]
+    for name, t in (("running_mean", bn.running_mean), ("running_var", bn.running_var), ("weight", model[0].weight)):
+        copies = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(copies, t)
+        assert all(torch.equal(c, t) for c in copies), f"{name} differs between ranks"
+    if rank == 0:
+        print(stepper.schedule())
+        print(f"{stepper.steps} steps on {world} ranks; statistics and weights identical on every rank")
+        print("running_mean", [round(v, 4) for v in bn.running_mean.tolist()])
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Launch a function on 2 gloo processes on 127.0.0.1 and collect what each rank returns.
+
+``launch(fn, *args)`` spawns ``world`` processes with ``torch.multiprocessing``
+(start method ``spawn``), each running ``fn(rank, world, *args)`` after
+``init_process_group("gloo")`` at ``MASTER_ADDR=127.0.0.1`` and a free port,
+and returns the list of the ranks' return values (saved with ``torch.save``).
+Everything is bounded in time: the process group's timeout (``pg_timeout``)
+bounds every collective, and the whole launch is killed after ``timeout``
+seconds (the test then fails instead of hanging CI).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from paramupdates import _state
+from paramupdates.rules import base as rules_base
+
+WORLD = 2
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def reset_pu() -> None:
+    """What the autouse fixture of conftest does between tests, for a child process."""
+    for att in list(_state.attachments):
+        att.detach()
+    _state.explicit.clear()
+    _state.pu_pending.clear()
+    _state.replay = None
+    rules_base._RULES.clear()
+    torch.manual_seed(0)
+
+
+def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, outdir: str, pg_timeout: float,
+           hard_exit: bool, args: tuple) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)  # 2 processes on a shared CPU; also makes reductions deterministic
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=pg_timeout)
+    )
+    reset_pu()
+    out = fn(rank, world, *args)
+    path = os.path.join(outdir, f"rank{rank}.pt")
+    torch.save(out, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    if hard_exit:
+        # After a collective timed out the group cannot be destroyed cleanly.
+        os._exit(0)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def launch(fn: Callable[..., Any], *args: Any, world: int = WORLD, timeout: float = 90.0,
+           pg_timeout: float = 30.0, hard_exit: bool = False) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo processes; the ranks' results, in rank order."""
+    with tempfile.TemporaryDirectory() as outdir:
+        ctx = mp.start_processes(
+            _entry,
+            args=(fn, world, free_port(), outdir, pg_timeout, hard_exit, args),
+            nprocs=world,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout
+        try:
+            while not ctx.join(timeout=0.2):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"distributed test {fn.__name__} did not finish within {timeout} s")
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False) for r in range(world)]

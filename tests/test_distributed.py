@@ -1,0 +1,634 @@
+"""Rule 9 under torch.distributed: 2 gloo processes on 127.0.0.1, bounded in time.
+
+The scenarios (``scen_*``) run in the spawned ranks and return tensors; the
+tests compare them, bitwise, across ranks and with single-process references
+that see every rank's data. All scenarios share one launch (one process
+start-up for the module); the failure scenario, which breaks the process
+group on purpose (a collective times out), runs last.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import paramupdates as pu
+from dist_harness import free_port, launch, reset_pu
+from dist_models import (
+    MOMENTUM,
+    NO_BROADCAST,
+    C,
+    Ema,
+    Net,
+    RuleNet,
+    batch,
+    loss_of,
+    reference_stats,
+    stats_update,
+)
+from paramupdates.rules.base import register
+
+from conftest import bits
+
+pytestmark = pytest.mark.distributed
+
+STEPS = 3
+
+
+def _state(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(bits(a[k]), bits(b[k])) for k in a)
+
+
+# ----------------------------------------------------------------------------
+# scenarios (run in each rank)
+# ----------------------------------------------------------------------------
+def scen_ddp_stats(rank, world, model_arg):
+    """DDP without buffer broadcast; pu.Stepper over the wrapper or its .module."""
+    torch.manual_seed(0)
+    net = Net()
+    ddp = DDP(net, **NO_BROADCAST)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    stepper = pu.Stepper(ddp if model_arg == "wrapper" else net, opt)
+    for s in range(STEPS):
+        with stepper:
+            loss_of(ddp(batch(s, rank))).backward()
+        opt.zero_grad()
+    return {"state": _state(net), "schedule": str(stepper.schedule())}
+
+
+def scen_grad_accum(rank, world, ddp_kwargs):
+    """Two micro-batches per step, the first under ddp.no_sync(); one commit per step."""
+    torch.manual_seed(0)
+    net = Net()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # broadcast_buffers is deprecated in torch 2.13
+        ddp = DDP(net, **ddp_kwargs)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    stepper = pu.Stepper(ddp, opt)
+    for s in range(STEPS):
+        with stepper:
+            with ddp.no_sync():
+                loss_of(ddp(batch(s, rank, 0))).backward()
+            loss_of(ddp(batch(s, rank, 1))).backward()
+        opt.zero_grad()
+    return {"state": _state(net)}
+
+
+def scen_attach(rank, world):
+    """pu.attach(ddp, opt): an unchanged loop; the all-reduce runs inside optimizer.step()."""
+    torch.manual_seed(0)
+    net = Net()
+    ddp = DDP(net, **NO_BROADCAST)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    att = pu.attach(ddp, opt)
+    for s in range(STEPS):
+        loss_of(ddp(batch(s, rank))).backward()
+        opt.step()
+        opt.zero_grad()
+    att.detach()
+    return {"state": _state(net), "steps": att.steps}
+
+
+def scen_broadcast_on(rank, world, model_arg):
+    """DDP with its default broadcast_buffers=True and synced targets: an error at the update, nothing written."""
+    torch.manual_seed(0)
+    net = Net()
+    ddp = DDP(net)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    before = _state(net)
+    try:
+        with pu.step(ddp if model_arg == "wrapper" else net, opt):
+            loss_of(ddp(batch(0, rank))).backward()
+    except pu.UpdateError as e:
+        return {"error": str(e), "unchanged": _same(before, _state(net))}
+    return {"error": None}
+
+
+def scen_torch_broadcast(rank, world):
+    """Plain torch.nn.BatchNorm1d under DDP(broadcast_buffers=True): the PyTorch behaviour."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.BatchNorm1d(C, momentum=MOMENTUM), nn.Linear(C, 3))
+    ddp = DDP(net)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for s in range(STEPS):
+        loss_of(ddp(batch(s, rank))).backward()
+        opt.step()
+        opt.zero_grad()
+    own = _state(net[0])  # this rank's statistics after its last step
+    ddp.eval()
+    with torch.no_grad():
+        ddp(batch(0, rank))  # the next forward broadcasts rank 0's buffers
+    return {"own": own, "after": _state(net[0])}
+
+
+def scen_rules(rank, world):
+    """Custom-update programs and declared rules under DDP: after N steps, every rank bitwise equal."""
+    torch.manual_seed(0)
+    net = RuleNet()
+    net.declare_rules()
+    ddp = DDP(net, **NO_BROADCAST)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    stepper = pu.Stepper(ddp, opt)
+    for s in range(4):
+        with stepper:
+            # decoupled weight decay, written as a program: before the gradient update
+            pu.assign_sub(net.lin.weight, 0.1 * 0.05 * net.lin.weight.detach(), phase="before_grad")
+            loss_of(ddp(batch(s, rank))).backward()
+        opt.zero_grad()
+    rows = [(r.phase, r.op) for r in stepper.schedule()]
+    return {"state": _state(net), "rows": rows}
+
+
+class Mixed(nn.Module):
+    """Buffers of several dtypes, synced with mean and sum."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("f32", torch.zeros(3))
+        self.register_buffer("f16", torch.zeros(2, dtype=torch.float16))
+        self.register_buffer("f64", torch.zeros(2, dtype=torch.float64))
+        self.register_buffer("total", torch.zeros(2))
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+        self.register_buffer("imean", torch.zeros((), dtype=torch.int32))
+        self.aux = pu.Parameter(torch.zeros(2), auxiliary=True)
+
+
+def mixed_values(rank):
+    g = torch.Generator().manual_seed(rank)
+    return {
+        "f32": torch.randn(3, generator=g),
+        "f16": torch.randn(2, generator=g).half(),
+        "f64": torch.randn(2, generator=g, dtype=torch.float64),
+        "total": torch.randn(2, generator=g),
+        "imean": torch.tensor(3 * rank + 2, dtype=torch.int32),
+        "aux": torch.randn(2, generator=g),
+    }
+
+
+def scen_buckets(rank, world):
+    """Mean and sum over float32/float16/float64/int targets: one all_reduce per reduction dtype."""
+    m = Mixed()
+    # the optimizer holds the auxiliary pu.Parameter too (model.parameters()): it must still commit the mean
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    v = mixed_values(rank)
+    calls = []
+    real = dist.all_reduce
+
+    def counting(t, *a, **k):
+        calls.append((t.dtype, t.numel()))
+        return real(t, *a, **k)
+
+    dist.all_reduce = counting
+    try:
+        with pu.step(m, opt):
+            pu.assign(m.f32, v["f32"], sync="mean")
+            pu.assign(m.f16, v["f16"], sync="mean")
+            pu.assign(m.f64, v["f64"], sync="mean")
+            pu.assign(m.total, v["total"], sync="sum")
+            pu.assign_add(m.count, rank + 1, sync="sum")
+            pu.assign(m.imean, v["imean"], sync="mean")
+            m.aux.assign(v["aux"], sync="mean")
+    finally:
+        dist.all_reduce = real
+    return {"state": _state(m), "calls": calls}
+
+
+class Two(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("a", torch.zeros(2))
+        self.register_buffer("b", torch.zeros(2))
+        self.register_buffer("local", torch.zeros(2))
+
+
+def scen_nonfinite(rank, world):
+    """A non-finite value on one rank: every rank skips (or raises), none commits alone."""
+    out = {}
+    m = Two()
+    before = _state(m)
+    # unsynced NaN on rank 1 only, skip: both skip
+    s = pu.Stepper(m, on_nonfinite="skip")
+    with s:
+        pu.assign(m.a, torch.full((2,), 1.0 + rank), sync="mean")
+        pu.assign(m.local, torch.full((2,), float("nan") if rank == 1 else 1.0))
+    out["skip_unsynced"] = (s.skipped, s.skipped_steps, _same(before, _state(m)))
+    # synced NaN on rank 1 only: the NaN reaches every rank through the sum; both skip
+    with s:
+        pu.assign(m.a, torch.full((2,), float("nan") if rank == 1 else 1.0), sync="mean")
+    out["skip_synced"] = (s.skipped, s.skipped_steps, _same(before, _state(m)))
+    # raise: both raise, the rank without NaN says another rank has one
+    try:
+        with pu.step(m):
+            pu.assign(m.a, torch.ones(2), sync="mean")
+            pu.assign(m.local, torch.full((2,), float("inf") if rank == 1 else 1.0))
+        out["raise"] = None
+    except pu.UpdateError as e:
+        out["raise"] = str(e)
+    out["unchanged"] = _same(before, _state(m))
+    return out
+
+
+def scen_disagree(rank, world):
+    """Ranks that sync different targets, or different steps, raise on every rank before writing."""
+    out = {}
+    m = Two()
+    before = _state(m)
+    try:
+        with pu.step(m):
+            pu.assign(m.a if rank == 0 else m.b, torch.ones(2), sync="mean")  # same size, other target
+        out["targets"] = None
+    except pu.UpdateError as e:
+        out["targets"] = str(e)
+    s = pu.Stepper(m)
+    if rank == 1:  # rank 1's first step raises; it goes on alone to the next one
+        try:
+            with s:
+                pu.assign(m.a, torch.ones(2), sync="mean")
+                raise RuntimeError("simulated")
+        except RuntimeError:
+            pass
+    try:
+        with s:
+            pu.assign(m.a, torch.ones(2), sync="mean")
+        out["steps"] = None
+    except pu.UpdateError as e:
+        out["steps"] = str(e)
+    out["unchanged"] = _same(before, _state(m))
+    return out
+
+
+def scen_group(rank, world):
+    """process_group= is honoured: over a group of one, sync is the identity; over the default, the mean."""
+    singles = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
+    pair = dist.new_group(list(range(world)))
+    out = {}
+    for name, group in (("single", singles[rank]), ("pair", pair)):
+        m = Two()
+        with pu.step(m, process_group=group):
+            pu.assign(m.a, torch.full((2,), float(rank + 1)), sync="mean")
+        out[name] = m.a.clone()
+    return out
+
+
+SCENARIOS = {
+    "stats_wrapper": (scen_ddp_stats, ("wrapper",)),
+    "stats_module": (scen_ddp_stats, ("module",)),
+    "accum_forward_sync_buffers": (scen_grad_accum, (NO_BROADCAST,)),
+    "accum_broadcast_buffers": (scen_grad_accum, ({"broadcast_buffers": False},)),
+    "attach": (scen_attach, ()),
+    "broadcast_wrapper": (scen_broadcast_on, ("wrapper",)),
+    "broadcast_module": (scen_broadcast_on, ("module",)),
+    "torch_broadcast": (scen_torch_broadcast, ()),
+    "rules": (scen_rules, ()),
+    "buckets": (scen_buckets, ()),
+    "nonfinite": (scen_nonfinite, ()),
+    "disagree": (scen_disagree, ()),
+    "group": (scen_group, ()),
+}
+
+
+def run_scenarios(rank, world, names, marker):
+    """Every scenario in turn, then the one that breaks the process group (a timed-out collective)."""
+    out = {}
+    for name in names:
+        fn, args = SCENARIOS[name]
+        reset_pu()
+        try:
+            out[name] = fn(rank, world, *args)
+        except Exception:
+            out[name] = {"crash": traceback.format_exc()}
+        dist.barrier()
+    reset_pu()
+    try:
+        out["rank_raises"] = scen_rank_raises(rank, world, marker)
+    except Exception:
+        out["rank_raises"] = {"crash": traceback.format_exc()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    """One launch (one process start-up) for the whole module."""
+    with tempfile.TemporaryDirectory() as d:
+        marker = os.path.join(d, "rank0-done")
+        return launch(run_scenarios, list(SCENARIOS), marker, pg_timeout=20.0, timeout=120.0, hard_exit=True)
+
+
+def ranks(results, name):
+    out = [r[name] for r in results]
+    for rank, o in enumerate(out):
+        if "crash" in o:
+            pytest.fail(f"rank {rank} raised in scenario {name}:\n{o['crash']}")
+    return out
+
+
+# ----------------------------------------------------------------------------
+# tests
+# ----------------------------------------------------------------------------
+@pytest.mark.parametrize("model_arg", ["wrapper", "module"])
+def test_synced_statistics_equal_mean_of_rank_updates(results, model_arg):
+    """running stats == mean over ranks of each rank's update, bitwise, on every rank."""
+    r0, r1 = ranks(results, f"stats_{model_arg}")
+    assert _same(r0["state"], r1["state"])
+    ref_m, ref_v = reference_stats(STEPS, 2)
+    st = r0["state"]
+    assert torch.equal(bits(st["bn.running_mean"]), bits(ref_m))
+    assert torch.equal(bits(st["bn.running_var"]), bits(ref_v))
+    assert int(st["bn.num_batches_tracked"]) == STEPS
+    # the ranks' data differ: rank 0 alone would give other statistics
+    alone, _ = reference_stats(STEPS, 1)
+    assert not torch.allclose(st["bn.running_mean"], alone, atol=1e-3)
+    assert "sync=mean" in r0["schedule"]
+
+
+def test_synced_statistics_versus_global_batch():
+    """The stated rule, against a global-batch BatchNorm1d that sees both ranks' data concatenated.
+
+    With equal per-rank batch sizes n (R ranks, N = R n), one step from (0, 1):
+      running_mean = m * mean_r(mu_r)           = m * mu_global            (the same number)
+      running_var  = (1-m) + m * mean_r(s2_r)   where s2_r is rank r's unbiased variance, and
+      mean_r(s2_r) = n/(n-1) * (V_global - Var_r(mu_r))   (V biased; Var_r the spread of rank means)
+    so the synced variance misses the between-rank spread of the means, which a
+    global-batch BN (SyncBatchNorm) would count.
+    """
+    rm, rv = reference_stats(1, 2)
+    xs = [batch(0, r) for r in range(2)]
+    glob = nn.BatchNorm1d(C, momentum=MOMENTUM)
+    glob(torch.cat(xs))
+    torch.testing.assert_close(rm, glob.running_mean, rtol=0, atol=1e-6)
+    n = xs[0].shape[0]
+    mus = torch.stack([x.mean(0) for x in xs])
+    v_global = torch.cat(xs).var(0, unbiased=False)
+    predicted = (1 - MOMENTUM) + MOMENTUM * n / (n - 1) * (v_global - mus.var(0, unbiased=False))
+    torch.testing.assert_close(rv, predicted, rtol=1e-5, atol=1e-5)
+    # the gap to the global batch is the between-rank spread (the ranks' means differ by about 2)
+    big_n = 2 * n
+    gap = MOMENTUM * (big_n / (big_n - 1) * v_global - n / (n - 1) * (v_global - mus.var(0, unbiased=False)))
+    torch.testing.assert_close(glob.running_var - rv, gap, rtol=1e-4, atol=1e-5)
+    assert gap.min() > 0.04
+
+
+@pytest.mark.parametrize("kw", ["forward_sync_buffers", "broadcast_buffers"])
+def test_gradient_accumulation_under_no_sync(results, kw):
+    """Two micro-batches (first under no_sync): stats and parameters match the single-process reference."""
+    r0, r1 = ranks(results, f"accum_{kw}")
+    assert _same(r0["state"], r1["state"])
+    ref_m, ref_v = reference_stats(STEPS, 2, micro=2)
+    assert torch.equal(bits(r0["state"]["bn.running_mean"]), bits(ref_m))
+    assert torch.equal(bits(r0["state"]["bn.running_var"]), bits(ref_v))
+    assert int(r0["state"]["bn.num_batches_tracked"]) == 2 * STEPS
+    # parameters: one process sees all 4 micro-batches; DDP averages over ranks, sums over micro-batches
+    torch.manual_seed(0)
+    ref = Net()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for s in range(STEPS):
+        for r in range(2):
+            for k in range(2):
+                (loss_of(ref(batch(s, r, k))) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    for k in ("lin.weight", "lin.bias", "bn.weight", "bn.bias"):
+        torch.testing.assert_close(r0["state"][k], ref.state_dict()[k], rtol=0, atol=1e-6)
+
+
+def test_attach_under_ddp(results):
+    r0, r1 = ranks(results, "attach")
+    assert _same(r0["state"], r1["state"]) and r0["steps"] == STEPS
+    ref_m, _ = reference_stats(STEPS, 2)
+    assert torch.equal(bits(r0["state"]["bn.running_mean"]), bits(ref_m))
+
+
+@pytest.mark.parametrize("model_arg", ["wrapper", "module"])
+def test_broadcast_buffers_on_is_an_error(results, model_arg):
+    for out in ranks(results, f"broadcast_{model_arg}"):
+        assert out["error"] is not None, "broadcast_buffers=True with synced targets must raise"
+        assert "bn.running_mean" in out["error"] and "broadcast_buffers=False" in out["error"]
+        assert "dist_models.py:" in out["error"]  # the call site of the update
+        assert out["unchanged"]
+
+
+def test_pytorch_broadcast_buffers_loses_rank1_statistics(results):
+    """The contrast: plain BN under DDP(broadcast_buffers=True) ends with rank 0's statistics only."""
+    r0, r1 = ranks(results, "torch_broadcast")
+    assert not _same(r0["own"], r1["own"])  # each rank had its own statistics...
+    assert _same(r1["after"], r0["own"])  # ...and the next forward replaced rank 1's with rank 0's
+    # a single process that sees rank 0's data only has exactly these statistics
+    # (one thread, as in the ranks: the BatchNorm kernel's reduction order depends on it)
+    alone = nn.BatchNorm1d(C, momentum=MOMENTUM)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for s in range(STEPS):
+            alone(batch(s, 0))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(bits(r1["after"]["running_mean"]), bits(alone.running_mean))
+    assert torch.equal(bits(r1["after"]["running_var"]), bits(alone.running_var))
+    both, _ = reference_stats(STEPS, 2)
+    assert not torch.allclose(r1["after"]["running_mean"], both, atol=1e-2)  # rank 1's data left no trace
+
+
+def test_rules_give_identical_ranks(results):
+    """Weight decay (a program), a declared max-norm, an EMA rule and synced stats: ranks bitwise equal."""
+    r0, r1 = ranks(results, "rules")
+    shared = {k: v for k, v in r0["state"].items() if k != "seen"}
+    other = {k: v for k, v in r1["state"].items() if k != "seen"}
+    assert _same(shared, other)
+    assert not torch.equal(r0["state"]["seen"], r1["state"]["seen"])  # the rank-local control differs
+    assert r0["rows"] == [
+        ("before_grad", "assign_sub"),
+        ("grad", "SGD.step"),
+        ("after_grad", "max_norm"),
+        ("auxiliary", "assign_add"),  # seen (rank-local)
+        ("auxiliary", "assign sync=mean"),
+        ("auxiliary", "assign sync=mean"),
+        ("auxiliary", "assign_add sync=mean"),
+        ("after_step", "ema"),
+    ]
+    assert float(r0["state"]["lin.weight"].norm(dim=1).max()) <= 0.5 + 1e-6
+    assert not torch.equal(r0["state"]["ema.weight"], r0["state"]["lin.weight"])
+
+
+def test_buckets_and_reductions(results):
+    r0, r1 = ranks(results, "buckets")
+    assert _same(r0["state"], r1["state"])
+    v0, v1 = mixed_values(0), mixed_values(1)
+    st = r0["state"]
+    assert torch.equal(bits(st["f32"]), bits((v0["f32"] + v1["f32"]) / 2))
+    assert torch.equal(bits(st["f16"]), bits(((v0["f16"].float() + v1["f16"].float()) / 2).half()))
+    assert torch.equal(bits(st["f64"]), bits((v0["f64"] + v1["f64"]) / 2))
+    assert torch.equal(bits(st["total"]), bits(v0["total"] + v1["total"]))
+    assert torch.equal(bits(st["aux"]), bits((v0["aux"] + v1["aux"]) / 2))
+    assert int(st["count"]) == 1 + 2 and st["count"].dtype == torch.long
+    assert int(st["imean"]) == (2 + 5) // 2 and st["imean"].dtype == torch.int32
+    # one collective per reduction dtype: float32 (float32, float16, mean and sum together), float64, int64
+    assert sorted(str(d) for d, _ in r0["calls"]) == ["torch.float32", "torch.float64", "torch.int64"]
+
+
+def test_nonfinite_decided_alike_on_every_rank(results):
+    r0, r1 = ranks(results, "nonfinite")
+    for out in (r0, r1):
+        assert out["skip_unsynced"] == (True, 1, True)
+        assert out["skip_synced"] == (True, 2, True)
+        assert out["unchanged"]
+    assert "other rank" in r0["raise"]
+    assert "'local'" in r1["raise"]
+
+
+def test_ranks_that_disagree_raise_on_every_rank(results):
+    for out in ranks(results, "disagree"):
+        assert out["targets"] is not None and "disagree" in out["targets"]
+        assert out["steps"] is not None and "not the same step" in out["steps"]
+        assert out["unchanged"]
+
+
+def test_process_group_is_honoured(results):
+    r0, r1 = ranks(results, "group")
+    assert torch.equal(r0["single"], torch.full((2,), 1.0))
+    assert torch.equal(r1["single"], torch.full((2,), 2.0))
+    assert torch.equal(r0["pair"], torch.full((2,), 1.5)) and torch.equal(r1["pair"], r0["pair"])
+
+
+# ----------------------------------------------------------------------------
+# a rank that raises inside a step: the other gets an error, not a hang
+# ----------------------------------------------------------------------------
+SYNC_TIMEOUT = 2.0
+
+
+def scen_rank_raises(rank, world, marker):
+    torch.manual_seed(0)
+    net = Net()
+    ddp = DDP(net, **NO_BROADCAST)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    stepper = pu.Stepper(ddp, opt, sync_timeout=SYNC_TIMEOUT)
+    with stepper:  # one good step
+        loss_of(ddp(batch(0, rank))).backward()
+    opt.zero_grad()
+    before = _state(net)
+    if rank == 1:
+        try:
+            with stepper:
+                loss_of(ddp(batch(1, rank))).backward()
+                raise RuntimeError("rank 1 fails inside its step")
+        except RuntimeError:
+            pass
+        # alive, but never reaching the commit (a stuck data loader, a log-and-continue handler)
+        deadline = time.monotonic() + 30
+        while not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return {"unchanged": _same(before, _state(net))}
+    t0 = time.monotonic()
+    try:
+        with stepper:
+            loss_of(ddp(batch(1, rank))).backward()
+        err = None
+    except pu.UpdateError as e:
+        err = str(e)
+    waited = time.monotonic() - t0
+    out = {"error": err, "waited": waited, "unchanged": _same(before, _state(net))}
+    open(marker, "w").close()
+    return out
+
+
+def test_rank_that_raises_gives_the_others_an_error_not_a_hang(results):
+    r0, r1 = ranks(results, "rank_raises")
+    assert r0["error"] is not None, "rank 0 committed although rank 1 never reached the commit"
+    assert "did not complete" in r0["error"] and f"sync_timeout={SYNC_TIMEOUT:g} s" in r0["error"]
+    assert "module.bn.running_mean" in r0["error"]
+    assert SYNC_TIMEOUT <= r0["waited"] < SYNC_TIMEOUT + 5
+    assert r0["unchanged"] and r1["unchanged"]
+
+
+# ----------------------------------------------------------------------------
+# single process: sync is the identity; argument checks
+# ----------------------------------------------------------------------------
+def test_single_process_sync_is_identity():
+    net = Net()
+    ref = copy.deepcopy(net)
+    ref.bn.sync = None
+    x = batch(0, 0)
+    with pu.step(net):
+        net(x)
+    with pu.step(ref):
+        ref(x)
+    assert _same(_state(net), _state(ref))
+    rm, rv = stats_update(torch.zeros(C), torch.ones(C), x)
+    assert torch.equal(bits(net.bn.running_mean), bits(rm)) and torch.equal(bits(net.bn.running_var), bits(rv))
+
+
+def test_sync_argument_errors():
+    m = Two()
+    m.register_buffer("flag", torch.zeros(2, dtype=torch.bool))
+    lin = nn.Linear(2, 2)
+    m.lin = lin
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    before = _state(m)
+    cases = [
+        (lambda: pu.assign(m.a, torch.ones(2), sync="max"), "sync must be None, 'mean' or 'sum'"),
+        (lambda: pu.assign(m.flag, torch.ones(2, dtype=torch.bool), sync="sum"), "bool"),
+        (lambda: pu.assign(lin.weight, torch.ones(2, 2), phase="after_grad", sync="mean"), "trainable"),
+        (lambda: (pu.assign(m.a, torch.ones(2), sync="mean"), pu.assign_add(m.a, 1.0, sync="sum")), "one reduction"),
+        (
+            lambda: (pu.assign(m.a, torch.ones(2), sync="mean"), pu.assign_add(m.a, 1.0, phase="after_step")),
+            "two phases",
+        ),
+        (
+            lambda: (pu.assign(m.a, torch.ones(2), phase="after_step"), pu.assign_add(m.a, 1.0, sync="sum")),
+            "two phases",
+        ),
+    ]
+    for fn, msg in cases:
+        with pytest.raises(pu.UpdateError, match=msg) as info:
+            with pu.step(m, opt):
+                fn()
+        assert "test_distributed.py:" in str(info.value)
+        assert _same(before, _state(m))
+
+
+def test_rule_writing_a_synced_target_is_an_error():
+    net = Net()
+    register(Ema([net.lin.bias], [net.bn.running_mean], 0.5))  # a rule that writes a synced buffer
+    before = _state(net)
+    with pytest.raises(pu.UpdateError, match="also written by the ema rule"):
+        with pu.step(net):
+            net(batch(0, 0))
+    assert _same(before, _state(net))
+
+
+def test_process_group_without_init_and_bad_timeout():
+    net = Net()
+    with pytest.raises(pu.UpdateError, match="init_process_group"):
+        pu.Stepper(net, process_group=object())
+    with pytest.raises(ValueError, match="sync_timeout"):
+        pu.Stepper(net, sync_timeout=0)
+
+
+# ----------------------------------------------------------------------------
+# the README's example, run as documented (torchrun, 2 processes, gloo)
+# ----------------------------------------------------------------------------
+def test_ddp_example_runs_under_torchrun():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+        "--master_addr=127.0.0.1", f"--master_port={free_port()}", "examples/ddp_train.py",
+    ]
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "statistics and weights identical on every rank" in proc.stdout
+    assert "module.1.running_mean         assign sync=mean" in proc.stdout

@@ -203,7 +203,7 @@ def _fail(tx: Transaction, entries: Sequence[Entry], what: str, group: Any) -> U
     names = ", ".join(repr(e.name) for e in entries[:4]) + (", ..." if len(entries) > 4 else "")
     return UpdateError(
         f"{tx.label}: sync of {len(entries)} target(s) ({names}; last update at {entries[-1].records[-1].origin}) "
-        f"over {dist.get_world_size(group)} ranks {what} Nothing was written on this rank."
+        f"over {dist.get_world_size(group)} ranks: {what} Nothing was written on this rank."
     )
 
 
@@ -251,7 +251,7 @@ def sync_entries(tx: Transaction, entries: Sequence[Entry], local_nonfinite: tor
         raise _fail(
             tx,
             entries,
-            f"did not complete{timeout}: {err}. Another rank did not reach this commit (did it raise inside "
+            f"did not complete{timeout}: {str(err).rstrip('.!')}. Another rank did not reach this commit (did it raise inside "
             "its step, or stop?). The process group is now unusable (a collective is left half done): "
             "destroy it (torch.distributed.destroy_process_group()) and restart the job.",
             group,
@@ -263,7 +263,7 @@ def sync_entries(tx: Transaction, entries: Sequence[Entry], local_nonfinite: tor
         raise _fail(
             tx,
             entries,
-            "disagree: the ranks are not committing the same synced targets (names, shapes, dtypes, "
+            "the ranks disagree: they are not committing the same synced targets (names, shapes, dtypes, "
             "reductions) or not the same step of their stepper. Every rank must issue its synced updates "
             "to the same targets in each step (a pu.when(tensor) condition is fine, a Python branch that "
             "differs between ranks is not), and a rank whose step raised must not go on alone.",

@@ -35,10 +35,10 @@ Collectives
     bucket layout (targets, shapes, dtypes, reductions, and the number of
     steps this stepper has opened), sent as small integers ``x`` together with
     ``x**2``: every rank sent the same ``x`` exactly when ``R * sum(x**2) ==
-    sum(x)**2``. Ranks that
-    disagree (one took a different branch, or skipped a step after an
-    exception and went on) get an :class:`~paramupdates.UpdateError` on every
-    rank, before anything is written. (A layout of a different *size* cannot
+    sum(x)**2``. Ranks that disagree (one took a different branch, or skipped
+    a step after an exception and went on) get an
+    :class:`~paramupdates.UpdateError` on every rank, before anything is
+    written. (A layout of a different *size* cannot
     be caught this way: gloo aborts the process with "Received data size
     doesn't match"; ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` names the collective.)
 
@@ -190,9 +190,10 @@ def _fingerprint(plan: Sequence[tuple[Any, Sequence[Entry]]], seq: int, world: i
     mantissa), the narrowest dtype a bucket travels in: 11 bits a chunk (33
     bits in all, the whole CRC) for 2 ranks, 5 bits for 4096 ranks.
     """
+    # The device *type* only: under NCCL rank r's tensors live on cuda:r.
     text = ";".join(
-        f"{key}|" + ",".join(f"{e.name}:{tuple(e.value.shape)}:{e.value.dtype}:{e.sync}" for e in ents)
-        for key, ents in plan
+        ",".join(f"{e.name}:{tuple(e.value.shape)}:{e.value.dtype}:{e.value.device.type}:{e.sync}" for e in ents)
+        for _key, ents in plan
     )
     crc = zlib.crc32(f"{seq}#{text}".encode())
     b = max(1, (24 - world.bit_length()) // 2)
@@ -251,8 +252,8 @@ def sync_entries(tx: Transaction, entries: Sequence[Entry], local_nonfinite: tor
         raise _fail(
             tx,
             entries,
-            f"did not complete{timeout}: {str(err).rstrip('.!')}. Another rank did not reach this commit (did it raise inside "
-            "its step, or stop?). The process group is now unusable (a collective is left half done): "
+            f"did not complete{timeout}: {str(err).rstrip('.!')}. Another rank did not reach this commit "
+            "(did it raise inside its step, or stop?). The process group is now unusable (a collective is left half done): "
             "destroy it (torch.distributed.destroy_process_group()) and restart the job.",
             group,
         ) from err

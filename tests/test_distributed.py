@@ -286,7 +286,29 @@ def scen_group(rank, world):
     return out
 
 
+def batch2d(step, rank):
+    g = torch.Generator().manual_seed(7919 * step + 101 * rank + 50)
+    return torch.randn(4, 3, 5, 5, generator=g) * (1.0 + rank) + 2.0 * rank
+
+
+def scen_pu_bn2d(rank, world):
+    """pu.nn.BatchNorm2d(sync_stats=True) under DDP (first layer: its statistics depend on the data only)."""
+    if not hasattr(pu, "nn"):
+        return {"skip": "pu.nn (the BatchNorm branch) is not merged into this branch yet"}
+    torch.manual_seed(0)
+    net = nn.Sequential(pu.nn.BatchNorm2d(3, sync_stats=True), nn.Conv2d(3, 2, 3), nn.Flatten(), nn.Linear(18, 2))
+    ddp = DDP(net, **NO_BROADCAST)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    stepper = pu.Stepper(ddp, opt)
+    for s in range(STEPS):
+        with stepper:
+            loss_of(ddp(batch2d(s, rank))).backward()
+        opt.zero_grad()
+    return {"state": _state(net)}
+
+
 SCENARIOS = {
+    "pu_bn2d": (scen_pu_bn2d, ()),
     "stats_wrapper": (scen_ddp_stats, ("wrapper",)),
     "stats_module": (scen_ddp_stats, ("module",)),
     "accum_forward_sync_buffers": (scen_grad_accum, (NO_BROADCAST,)),
@@ -382,6 +404,34 @@ def test_synced_statistics_versus_global_batch():
     gap = MOMENTUM * (big_n / (big_n - 1) * v_global - n / (n - 1) * (v_global - mus.var(0, unbiased=False)))
     torch.testing.assert_close(glob.running_var - rv, gap, rtol=1e-4, atol=1e-5)
     assert gap.min() > 0.04
+
+
+def test_pu_batchnorm2d_sync_stats_equals_mean_of_torch_batchnorm_updates(results):
+    """pu.nn.BatchNorm2d(sync_stats=True): running stats == mean over ranks of torch.nn.BatchNorm2d's updates."""
+    r0, r1 = ranks(results, "pu_bn2d")
+    if "skip" in r0:
+        pytest.skip(r0["skip"])
+    assert _same(r0["state"], r1["state"])
+    ref = nn.BatchNorm2d(3)  # single process, every rank's data, torch's own BN (one thread, as the ranks)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for s in range(STEPS):
+            per_rank = []
+            for r in range(2):
+                bn = copy.deepcopy(ref)
+                bn(batch2d(s, r))
+                per_rank.append(bn)
+            with torch.no_grad():
+                ref.running_mean.copy_((per_rank[0].running_mean + per_rank[1].running_mean) / 2)
+                ref.running_var.copy_((per_rank[0].running_var + per_rank[1].running_var) / 2)
+                ref.num_batches_tracked.copy_(per_rank[0].num_batches_tracked)
+    finally:
+        torch.set_num_threads(threads)
+    st = r0["state"]
+    assert torch.equal(bits(st["0.running_mean"]), bits(ref.running_mean))
+    assert torch.equal(bits(st["0.running_var"]), bits(ref.running_var))
+    assert int(st["0.num_batches_tracked"]) == STEPS
 
 
 @pytest.mark.parametrize("kw", ["forward_sync_buffers", "broadcast_buffers"])

@@ -361,11 +361,11 @@ class Transaction:
             if distributed.is_distributed(self.process_group):
                 # Rule 9: reduce the synced values; other ranks' finiteness of
                 # their unsynced values rides along, so all ranks decide alike.
-                local = None
+                local_bad = False
                 if self.check_finite:
                     ok = self._finite_flag([e for e in self.entries.values() if e.sync is None])
-                    local = None if ok is None else (~ok).to(torch.int64)
-                remote_bad = distributed.sync_entries(self, synced, local)
+                    local_bad = ok is not None and not bool(ok)
+                remote_bad = distributed.sync_entries(self, synced, local_bad)
         if self.check_finite:
             bad = self._nonfinite()
             if bad or remote_bad:

@@ -66,6 +66,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..errors import UpdateError
 
@@ -113,10 +114,6 @@ def _ddp_broadcasting(tx: Transaction) -> Any:
     ``.module``; in the second case the wrapper is the one whose forward is
     running (DDP sets ``_active_ddp_module`` around its module's forward).
     """
-    try:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return None
     for m in (getattr(DDP, "_active_ddp_module", None), tx.index.model):
         if isinstance(m, DDP):
             will = getattr(m, "will_sync_module_buffers", None)
@@ -208,11 +205,11 @@ def _fail(tx: Transaction, entries: Sequence[Entry], what: str, group: Any) -> U
     )
 
 
-def sync_entries(tx: Transaction, entries: Sequence[Entry], local_nonfinite: torch.Tensor | None = None) -> int:
+def sync_entries(tx: Transaction, entries: Sequence[Entry], local_nonfinite: bool = False) -> int:
     """All-reduce the pending values of ``entries`` in place of the values (see the module docstring).
 
-    ``local_nonfinite``: a 0-dim tensor, 1 if this rank's unsynced pending
-    values are not all finite. Returns how many ranks reported such values.
+    ``local_nonfinite``: whether this rank's unsynced pending values are not
+    all finite. Returns how many ranks reported such values.
     """
     group = tx.process_group
     if not is_distributed(group):
@@ -230,14 +227,14 @@ def sync_entries(tx: Transaction, entries: Sequence[Entry], local_nonfinite: tor
     for i, (_k, ents) in enumerate(plan):
         v0 = ents[0].value
         acc = _acc_dtype(v0.dtype)
-        parts = [e.value.detach().reshape(-1).to(acc) for e in ents]
+        # Pending values of non-trainable targets are detached already; cat
+        # promotes float16/bfloat16 to float32 and narrow ints to int64.
+        parts = [e.value.reshape(-1) for e in ents]
         if i == 0:
-            bad = torch.zeros((), dtype=acc, device=v0.device) if local_nonfinite is None else local_nonfinite.to(
-                device=v0.device, dtype=acc
-            )
-            fixed = torch.tensor(fp + [x * x for x in fp], dtype=acc, device=v0.device)
-            parts = [bad.reshape(1), fixed, *parts]
-        flats.append(torch.cat(parts))
+            head = [int(local_nonfinite), *fp, *(x * x for x in fp)]
+            parts.insert(0, torch.tensor(head, dtype=acc, device=v0.device))
+        flat = torch.cat(parts)
+        flats.append(flat if flat.dtype == acc else flat.to(acc))
     deadline = None if tx.sync_timeout is None else time.monotonic() + tx.sync_timeout
     try:
         works = [dist.all_reduce(f, op=dist.ReduceOp.SUM, group=group, async_op=True) for f in flats]
@@ -280,5 +277,6 @@ def sync_entries(tx: Transaction, entries: Sequence[Entry], local_nonfinite: tor
             else:
                 means.copy_(torch.div(means, world, rounding_mode="floor"))
         for e, part in zip(ents, flat.split([e.value.numel() for e in ents])):
-            e.value = part.view(e.value.shape).to(e.value.dtype)
+            v = part.view(e.value.shape)
+            e.value = v if v.dtype == e.value.dtype else v.to(e.value.dtype)
     return nbad

@@ -307,7 +307,22 @@ def scen_pu_bn2d(rank, world):
     return {"state": _state(net)}
 
 
+def scen_eager_and_when(rank, world):
+    """Outside a step a synced update is reduced at once; under when(tensor) a false rank contributes old."""
+    m = Two()
+    m.register_buffer("count", torch.zeros((), dtype=torch.long))
+    pu.assign(m.a, torch.full((2,), float(rank + 1)), sync="mean")  # eager (rule 8): 1.5 on both
+    pu.assign_add(m.count, rank + 1, sync="sum")  # 3 on both
+    pu.assign(m.local, torch.full((2,), float(rank + 1)))  # eager, not synced: rank-local
+    eager = _state(m)
+    with pu.step(m):
+        with pu.when(torch.tensor(rank == 0)):  # true on rank 0 only
+            pu.assign(m.b, torch.full((2,), 4.0), sync="mean")
+    return {"eager": eager, "b": m.b.clone()}
+
+
 SCENARIOS = {
+    "eager_when": (scen_eager_and_when, ()),
     "pu_bn2d": (scen_pu_bn2d, ()),
     "stats_wrapper": (scen_ddp_stats, ("wrapper",)),
     "stats_module": (scen_ddp_stats, ("module",)),
@@ -548,6 +563,16 @@ def test_ranks_that_disagree_raise_on_every_rank(results):
         assert out["unchanged"]
 
 
+def test_eager_sync_and_when_tensor(results):
+    r0, r1 = ranks(results, "eager_when")
+    for out in (r0, r1):
+        assert torch.equal(out["eager"]["a"], torch.full((2,), 1.5))
+        assert int(out["eager"]["count"]) == 3
+        assert torch.equal(out["b"], torch.full((2,), 2.0))  # (4 + 0) / 2: rank 1 kept its old value
+    assert torch.equal(r0["eager"]["local"], torch.full((2,), 1.0))
+    assert torch.equal(r1["eager"]["local"], torch.full((2,), 2.0))
+
+
 def test_process_group_is_honoured(results):
     r0, r1 = ranks(results, "group")
     assert torch.equal(r0["single"], torch.full((2,), 1.0))
@@ -700,3 +725,16 @@ def test_fingerprint_ignores_device_index_but_not_layout_or_step():
     assert fp != _fingerprint(plan("cuda:0", shape=(5,)), 1, 2)
     assert fp != _fingerprint(plan("cuda:0"), 2, 2)
     assert all(0 <= x < 2**11 for x in fp)  # 2 ranks: 11-bit chunks, R * sum(x**2) exact in float32
+
+
+def test_eager_sync_single_process_and_its_checks():
+    """Outside a step, without a process group, a synced update is the plain eager update; bad sync still raises."""
+    m = Two()
+    m.register_buffer("flag", torch.zeros(2, dtype=torch.bool))
+    pu.assign_add(m.a, torch.ones(2), sync="mean")
+    assert torch.equal(m.a, torch.ones(2))
+    with pytest.raises(pu.UpdateError, match="sync must be None"):
+        pu.assign(m.a, torch.zeros(2), sync="avg")
+    with pytest.raises(pu.UpdateError, match="bool"):
+        pu.assign(m.flag, torch.ones(2, dtype=torch.bool), sync="sum")
+    assert torch.equal(m.a, torch.ones(2)) and not m.flag.any()

@@ -14,8 +14,8 @@ in its phase (rule 4):
 Outside a step an update applies at once, in place, under ``torch.no_grad()``
 (rule 8). Inside ``pu.when(False)`` nothing is recorded; inside
 ``pu.when(tensor)`` the update becomes ``new = where(pred, new, old)``.
-``sync="mean"``/``"sum"`` all-reduces the pending value across the default
-process group at commit (rule 9). All return ``None``: read the target to see
+``sync="mean"``/``"sum"`` all-reduces the pending value across the process
+group at commit (rule 9; outside a step, at once, over the default group). All return ``None``: read the target to see
 the new value.
 """
 
@@ -50,6 +50,11 @@ def _issue(op: str, target: torch.Tensor, operand: Any, key: Any, phase: str | N
     # Outside a step: eager, in place, under no_grad (rule 8).
     name = describe(target)
     check_operand(op, target, operand, key, name, origin)
+    if sync is not None:  # reduced across ranks before the write (rule 9)
+        from .integrations.distributed import apply_eager
+
+        apply_eager(op, target, operand, key, cond if isinstance(cond, torch.Tensor) else None, sync, name, origin)
+        return
     apply_inplace(op, target, operand, key, cond if isinstance(cond, torch.Tensor) else None)
 
 

@@ -52,8 +52,10 @@ Group and timeout
     the timeout, with nothing written; the process group is then unusable
     (a collective is left half done): destroy it and restart.
 
-Without an initialised process group (one process), or in a group of one,
-sync is the identity and costs nothing.
+Outside a step (rule 8) a synced update is reduced at once: one blocking
+``all_reduce`` over the default group per update, then the in-place write;
+every rank must issue it. Without an initialised process group (one
+process), or in a group of one, sync is the identity and costs nothing.
 """
 
 from __future__ import annotations
@@ -122,21 +124,25 @@ def _ddp_broadcasting(tx: Transaction) -> Any:
     return None
 
 
+def _check_kind(where_: str, sync: str, dtype: torch.dtype) -> None:
+    if sync not in SYNC_KINDS:
+        raise UpdateError(f"{where_}: sync must be None, 'mean' or 'sum', not {sync!r}.")
+    if dtype == torch.bool:
+        raise UpdateError(
+            f"{where_}: sync={sync!r} on a bool tensor has no meaning (a sum of bools is not a bool). "
+            "Keep the flag as an integer (sync='sum' counts ranks) and compare it."
+        )
+
+
 def check_sync(tx: Transaction, e: Entry, sync: str | None, phase: str, fn: str, origin: str) -> None:
     """Validate an update of a target that is (or becomes) synced; called at the call site."""
     where_ = f"{fn} on {e.name!r} at {origin}"
     if sync is not None:
-        if sync not in SYNC_KINDS:
-            raise UpdateError(f"{where_}: sync must be None, 'mean' or 'sum', not {sync!r}.")
+        _check_kind(where_, sync, e.target.dtype)
         if e.trainable:
             raise UpdateError(
                 f"{where_}: sync={sync!r} on a trainable parameter is not supported "
                 "(DDP already averages its gradients). Sync auxiliary (non-trainable) targets only."
-            )
-        if e.target.dtype == torch.bool:
-            raise UpdateError(
-                f"{where_}: sync={sync!r} on a bool tensor has no meaning (a sum of bools is not a bool). "
-                "Keep the flag as an integer (sync='sum' counts ranks) and compare it."
             )
         if e.sync is not None and e.sync != sync:
             first = next(r.origin for r in e.records if r.sync)
@@ -197,6 +203,62 @@ def _fingerprint(plan: Sequence[tuple[Any, Sequence[Entry]]], seq: int, world: i
     return [(crc >> (b * i)) % (1 << b) for i in range(_CHUNKS)]
 
 
+def _all_reduce(flats: Sequence[torch.Tensor], group: Any, timeout: float | None) -> None:
+    """``all_reduce(SUM)`` of each tensor, launched together, waited for within ``timeout`` seconds in all."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    works = [dist.all_reduce(f, op=dist.ReduceOp.SUM, group=group, async_op=True) for f in flats]
+    for w in works:
+        if deadline is None:
+            w.wait()
+        else:
+            w.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+
+
+def _incomplete(err: RuntimeError, timeout: float | None, where_: str) -> str:
+    limit = "" if timeout is None else f" (sync_timeout={timeout:g} s)"
+    return (
+        f"did not complete{limit}: {str(err).rstrip('.!')}. Another rank did not reach {where_} "
+        "(did it raise inside its step, or stop?). The process group is now unusable (a collective is left "
+        "half done): destroy it (torch.distributed.destroy_process_group()) and restart the job."
+    )
+
+
+def _divide(flat: torch.Tensor, world: int) -> torch.Tensor:
+    """``flat / world`` in place; floored for integers."""
+    if flat.is_floating_point() or flat.is_complex():
+        return flat.div_(world)
+    return flat.copy_(torch.div(flat, world, rounding_mode="floor"))
+
+
+def apply_eager(op: str, target: torch.Tensor, operand: Any, key: Any, cond: torch.Tensor | None,
+                sync: str, name: str, origin: str) -> None:
+    """A synced update outside a step (rule 8 with rule 9): reduce the new value now, then write it.
+
+    One blocking ``all_reduce`` over the default group per update (the
+    group's timeout applies): every rank must issue it, as any collective.
+    Without a process group it is the plain eager update.
+    """
+    from .._ops import apply_inplace, apply_op
+
+    _check_kind(f"pu.{op} on {name!r} at {origin}", sync, target.dtype)
+    if not is_distributed():
+        apply_inplace(op, target, operand, key, cond)
+        return
+    with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+        raw = target.detach()
+        flat = apply_op(op, raw, operand, key, cond).reshape(-1).to(_acc_dtype(raw.dtype), copy=True)
+        try:
+            _all_reduce([flat], None, None)
+        except RuntimeError as err:
+            raise UpdateError(
+                f"pu.{op} on {name!r} at {origin} (sync={sync!r}, outside a step): "
+                f"{_incomplete(err, None, 'this update')} Nothing was written on this rank."
+            ) from err
+        if sync == "mean":
+            _divide(flat, dist.get_world_size())
+        raw.copy_(flat.view(raw.shape))
+
+
 def _fail(tx: Transaction, entries: Sequence[Entry], what: str, group: Any) -> UpdateError:
     names = ", ".join(repr(e.name) for e in entries[:4]) + (", ..." if len(entries) > 4 else "")
     return UpdateError(
@@ -235,25 +297,10 @@ def sync_entries(tx: Transaction, entries: Sequence[Entry], local_nonfinite: boo
             parts.insert(0, torch.tensor(head, dtype=acc, device=v0.device))
         flat = torch.cat(parts)
         flats.append(flat if flat.dtype == acc else flat.to(acc))
-    deadline = None if tx.sync_timeout is None else time.monotonic() + tx.sync_timeout
     try:
-        works = [dist.all_reduce(f, op=dist.ReduceOp.SUM, group=group, async_op=True) for f in flats]
-        for w in works:
-            if deadline is None:
-                w.wait()
-            else:
-                left = max(deadline - time.monotonic(), 0.001)
-                w.wait(datetime.timedelta(seconds=left))
+        _all_reduce(flats, group, tx.sync_timeout)
     except RuntimeError as err:
-        timeout = "" if tx.sync_timeout is None else f" (sync_timeout={tx.sync_timeout:g} s)"
-        raise _fail(
-            tx,
-            entries,
-            f"did not complete{timeout}: {str(err).rstrip('.!')}. Another rank did not reach this commit "
-            "(did it raise inside its step, or stop?). The process group is now unusable (a collective is left half done): "
-            "destroy it (torch.distributed.destroy_process_group()) and restart the job.",
-            group,
-        ) from err
+        raise _fail(tx, entries, _incomplete(err, tx.sync_timeout, "this commit"), group) from err
     head = [int(h.real) if isinstance(h, complex) else int(h) for h in flats[0][:_HEADER].tolist()]
     nbad, sx, sxx = head[0], head[1 : 1 + _CHUNKS], head[1 + _CHUNKS :]
     # every rank sent the same x_i exactly when R * sum(x_i**2) == sum(x_i)**2 (Cauchy-Schwarz)
@@ -271,11 +318,7 @@ def sync_entries(tx: Transaction, entries: Sequence[Entry], local_nonfinite: boo
         flat = flats[i][_HEADER:] if i == 0 else flats[i]
         n_mean = sum(e.value.numel() for e in ents if e.sync == "mean")
         if n_mean:
-            means = flat[:n_mean]
-            if means.is_floating_point() or means.is_complex():
-                means.div_(world)
-            else:
-                means.copy_(torch.div(means, world, rounding_mode="floor"))
+            _divide(flat[:n_mean], world)
         for e, part in zip(ents, flat.split([e.value.numel() for e in ents])):
             v = part.view(e.value.shape)
             e.value = v if v.dtype == e.value.dtype else v.to(e.value.dtype)

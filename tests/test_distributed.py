@@ -101,8 +101,12 @@ def scen_attach(rank, world):
         loss_of(ddp(batch(s, rank))).backward()
         opt.step()
         opt.zero_grad()
+    trained = _state(net)
+    with torch.no_grad():  # statistics only (no optimizer step follows): flush() commits and syncs them
+        ddp(batch(STEPS, rank))
+    att.flush()
     att.detach()
-    return {"state": _state(net), "steps": att.steps}
+    return {"state": trained, "flushed": _state(net), "steps": att.steps}
 
 
 def scen_broadcast_on(rank, world, model_arg):
@@ -474,9 +478,12 @@ def test_gradient_accumulation_under_no_sync(results, kw):
 
 def test_attach_under_ddp(results):
     r0, r1 = ranks(results, "attach")
-    assert _same(r0["state"], r1["state"]) and r0["steps"] == STEPS
-    ref_m, _ = reference_stats(STEPS, 2)
-    assert torch.equal(bits(r0["state"]["bn.running_mean"]), bits(ref_m))
+    assert _same(r0["state"], r1["state"]) and _same(r0["flushed"], r1["flushed"])
+    assert r0["steps"] == STEPS + 1  # the flush counts as a step
+    for key, steps in (("state", STEPS), ("flushed", STEPS + 1)):
+        ref_m, ref_v = reference_stats(steps, 2)
+        assert torch.equal(bits(r0[key]["bn.running_mean"]), bits(ref_m))
+        assert torch.equal(bits(r0[key]["bn.running_var"]), bits(ref_v))
 
 
 @pytest.mark.parametrize("model_arg", ["wrapper", "module"])

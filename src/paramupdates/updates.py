@@ -15,8 +15,8 @@ Outside a step an update applies at once, in place, under ``torch.no_grad()``
 (rule 8). Inside ``pu.when(False)`` nothing is recorded; inside
 ``pu.when(tensor)`` the update becomes ``new = where(pred, new, old)``.
 ``sync="mean"``/``"sum"`` all-reduces the pending value across the process
-group at commit (rule 9; outside a step, at once, over the default group). All return ``None``: read the target to see
-the new value.
+group at commit (rule 9; outside a step, at once, over the default group).
+All return ``None``: read the target to see the new value.
 """
 
 from __future__ import annotations

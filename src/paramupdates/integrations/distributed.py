@@ -186,19 +186,25 @@ def check_rules(tx: Transaction, synced: Sequence[Entry]) -> None:
                 )
 
 
+_LAYOUT_CRC: dict[tuple, int] = {}  # layout -> CRC32 of its text (layouts repeat step after step)
+
+
 def _fingerprint(plan: Sequence[tuple[Any, Sequence[Entry]]], seq: int, world: int) -> list[int]:
     """``_CHUNKS`` integers in ``[0, 2**b)`` from a CRC of the layout and the step number.
 
     ``b`` is chosen so that ``world * sum(x**2)`` is exact in float32 (24-bit
     mantissa), the narrowest dtype a bucket travels in: 11 bits a chunk (33
-    bits in all, the whole CRC) for 2 ranks, 5 bits for 4096 ranks.
+    bits in all, the whole CRC) for 2 ranks, 5 bits for 4096 ranks. The
+    device enters by type only: under NCCL rank r's tensors live on cuda:r.
     """
-    # The device *type* only: under NCCL rank r's tensors live on cuda:r.
-    text = ";".join(
-        ",".join(f"{e.name}:{tuple(e.value.shape)}:{e.value.dtype}:{e.value.device.type}:{e.sync}" for e in ents)
-        for _key, ents in plan
-    )
-    crc = zlib.crc32(f"{seq}#{text}".encode())
+    key = tuple((e.name, e.sync, e.value.dtype, e.value.device.type, tuple(e.value.shape)) for _k, es in plan for e in es)
+    crc = _LAYOUT_CRC.get(key)
+    if crc is None:
+        crc = zlib.crc32(";".join(f"{n}:{shape}:{dt}:{dev}:{how}" for n, how, dt, dev, shape in key).encode())
+        if len(_LAYOUT_CRC) >= 64:
+            _LAYOUT_CRC.clear()
+        _LAYOUT_CRC[key] = crc
+    crc = zlib.crc32(f"#{seq}".encode(), crc)
     b = max(1, (24 - world.bit_length()) // 2)
     return [(crc >> (b * i)) % (1 << b) for i in range(_CHUNKS)]
 
@@ -277,13 +283,14 @@ def sync_entries(tx: Transaction, entries: Sequence[Entry], local_nonfinite: boo
     if not is_distributed(group):
         return 0
     world = dist.get_world_size(group)
-    groups: dict[tuple[str, str], list[Entry]] = {}
+    groups: dict[tuple[torch.device, torch.dtype], list[Entry]] = {}
     for e in entries:
         assert e.value is not None and e.sync is not None
         v = e.value
-        groups.setdefault((str(v.device), str(_acc_dtype(v.dtype))), []).append(e)
+        groups.setdefault((v.device, _acc_dtype(v.dtype)), []).append(e)
     # Deterministic on every rank: buckets by (device, dtype), means before sums.
-    plan = [(k, sorted(groups[k], key=lambda e: e.sync != "mean")) for k in sorted(groups)]
+    keys = sorted(groups, key=lambda k: (str(k[0]), str(k[1])))
+    plan = [(k, sorted(groups[k], key=lambda e: e.sync != "mean")) for k in keys]
     fp = _fingerprint(plan, tx.seq, world)
     flats: list[torch.Tensor] = []
     for i, (_k, ents) in enumerate(plan):

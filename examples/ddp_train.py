@@ -95,6 +95,7 @@ def main() -> None:
         print(stepper.schedule())
         print(f"{stepper.steps} steps on {world} ranks; statistics and weights identical on every rank")
         print("running_mean", [round(v, 4) for v in bn.running_mean.tolist()])
+    dist.barrier()  # leave together: gloo aborts a rank whose peer tears down first
     dist.destroy_process_group()
 
 

@@ -162,3 +162,13 @@ class RuleNet(Net):
     def declare_rules(self) -> None:
         register(MaxNorm(self.lin.weight, 0.5))
         register(Ema([self.lin.weight, self.lin.bias], [self.ema.weight, self.ema.bias], 0.9))
+
+
+class Two(nn.Module):
+    """Two synced-or-not buffers and a rank-local one."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("a", torch.zeros(2))
+        self.register_buffer("b", torch.zeros(2))
+        self.register_buffer("local", torch.zeros(2))

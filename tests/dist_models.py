@@ -13,6 +13,8 @@ from paramupdates._origin import call_site
 from paramupdates.rules.base import Rule, WeakTensors, register
 from paramupdates.schedule import AFTER_GRAD, AFTER_STEP
 
+from conftest import bits
+
 C = 4  # channels
 N = 8  # samples per rank and micro-batch
 MOMENTUM = 0.1
@@ -24,6 +26,16 @@ NO_BROADCAST = (
     if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
     else {"broadcast_buffers": False}
 )
+
+
+def state_of(module: nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of ``module.state_dict()``."""
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Bitwise equality of two state dicts (NaN payloads and -0.0 included)."""
+    return a.keys() == b.keys() and all(torch.equal(bits(a[k]), bits(b[k])) for k in a)
 
 
 def batch(step: int, rank: int, micro: int = 0) -> torch.Tensor:

@@ -36,6 +36,8 @@ from dist_models import (
     batch,
     loss_of,
     reference_stats,
+    same,
+    state_of,
 )
 
 from conftest import bits
@@ -43,14 +45,6 @@ from conftest import bits
 pytestmark = pytest.mark.distributed
 
 STEPS = 3
-
-
-def _state(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
-
-
-def _same(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(bits(a[k]), bits(b[k])) for k in a)
 
 
 # ----------------------------------------------------------------------------
@@ -67,7 +61,7 @@ def scen_ddp_stats(rank, world, model_arg):
         with stepper:
             loss_of(ddp(batch(s, rank))).backward()
         opt.zero_grad()
-    return {"state": _state(net), "schedule": str(stepper.schedule())}
+    return {"state": state_of(net), "schedule": str(stepper.schedule())}
 
 
 def scen_grad_accum(rank, world, ddp_kwargs):
@@ -85,7 +79,7 @@ def scen_grad_accum(rank, world, ddp_kwargs):
                 loss_of(ddp(batch(s, rank, 0))).backward()
             loss_of(ddp(batch(s, rank, 1))).backward()
         opt.zero_grad()
-    return {"state": _state(net)}
+    return {"state": state_of(net)}
 
 
 def scen_attach(rank, world):
@@ -99,12 +93,12 @@ def scen_attach(rank, world):
         loss_of(ddp(batch(s, rank))).backward()
         opt.step()
         opt.zero_grad()
-    trained = _state(net)
+    trained = state_of(net)
     with torch.no_grad():  # statistics only (no optimizer step follows): flush() commits and syncs them
         ddp(batch(STEPS, rank))
     att.flush()
     att.detach()
-    return {"state": trained, "flushed": _state(net), "steps": att.steps}
+    return {"state": trained, "flushed": state_of(net), "steps": att.steps}
 
 
 def scen_broadcast_on(rank, world, model_arg):
@@ -113,12 +107,12 @@ def scen_broadcast_on(rank, world, model_arg):
     net = Net()
     ddp = DDP(net)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    before = _state(net)
+    before = state_of(net)
     try:
         with pu.step(ddp if model_arg == "wrapper" else net, opt):
             loss_of(ddp(batch(0, rank))).backward()
     except pu.UpdateError as e:
-        return {"error": str(e), "unchanged": _same(before, _state(net))}
+        return {"error": str(e), "unchanged": same(before, state_of(net))}
     return {"error": None}
 
 
@@ -132,11 +126,11 @@ def scen_torch_broadcast(rank, world):
         loss_of(ddp(batch(s, rank))).backward()
         opt.step()
         opt.zero_grad()
-    own = _state(net[0])  # this rank's statistics after its last step
+    own = state_of(net[0])  # this rank's statistics after its last step
     ddp.eval()
     with torch.no_grad():
         ddp(batch(0, rank))  # the next forward broadcasts rank 0's buffers
-    return {"own": own, "after": _state(net[0])}
+    return {"own": own, "after": state_of(net[0])}
 
 
 def scen_rules(rank, world):
@@ -154,7 +148,7 @@ def scen_rules(rank, world):
             loss_of(ddp(batch(s, rank))).backward()
         opt.zero_grad()
     rows = [(r.phase, r.op) for r in stepper.schedule()]
-    return {"state": _state(net), "rows": rows}
+    return {"state": state_of(net), "rows": rows}
 
 
 class Mixed(nn.Module):
@@ -208,24 +202,24 @@ def scen_buckets(rank, world):
             m.aux.assign(v["aux"], sync="mean")
     finally:
         dist.all_reduce = real
-    return {"state": _state(m), "calls": calls}
+    return {"state": state_of(m), "calls": calls}
 
 
 def scen_nonfinite(rank, world):
     """A non-finite value on one rank: every rank skips (or raises), none commits alone."""
     out = {}
     m = Two()
-    before = _state(m)
+    before = state_of(m)
     # unsynced NaN on rank 1 only, skip: both skip
     s = pu.Stepper(m, on_nonfinite="skip")
     with s:
         pu.assign(m.a, torch.full((2,), 1.0 + rank), sync="mean")
         pu.assign(m.local, torch.full((2,), float("nan") if rank == 1 else 1.0))
-    out["skip_unsynced"] = (s.skipped, s.skipped_steps, _same(before, _state(m)))
+    out["skip_unsynced"] = (s.skipped, s.skipped_steps, same(before, state_of(m)))
     # synced NaN on rank 1 only: the NaN reaches every rank through the sum; both skip
     with s:
         pu.assign(m.a, torch.full((2,), float("nan") if rank == 1 else 1.0), sync="mean")
-    out["skip_synced"] = (s.skipped, s.skipped_steps, _same(before, _state(m)))
+    out["skip_synced"] = (s.skipped, s.skipped_steps, same(before, state_of(m)))
     # raise: both raise, the rank without NaN says another rank has one
     try:
         with pu.step(m):
@@ -234,7 +228,7 @@ def scen_nonfinite(rank, world):
         out["raise"] = None
     except pu.UpdateError as e:
         out["raise"] = str(e)
-    out["unchanged"] = _same(before, _state(m))
+    out["unchanged"] = same(before, state_of(m))
     return out
 
 
@@ -242,7 +236,7 @@ def scen_disagree(rank, world):
     """Ranks that sync different targets, or different steps, raise on every rank before writing."""
     out = {}
     m = Two()
-    before = _state(m)
+    before = state_of(m)
     try:
         with pu.step(m):
             pu.assign(m.a if rank == 0 else m.b, torch.ones(2), sync="mean")  # same size, other target
@@ -263,7 +257,7 @@ def scen_disagree(rank, world):
         out["steps"] = None
     except pu.UpdateError as e:
         out["steps"] = str(e)
-    out["unchanged"] = _same(before, _state(m))
+    out["unchanged"] = same(before, state_of(m))
     return out
 
 
@@ -298,7 +292,7 @@ def scen_pu_bn2d(rank, world):
         with stepper:
             loss_of(ddp(batch2d(s, rank))).backward()
         opt.zero_grad()
-    return {"state": _state(net)}
+    return {"state": state_of(net)}
 
 
 def scen_eager_and_when(rank, world):
@@ -308,7 +302,7 @@ def scen_eager_and_when(rank, world):
     pu.assign(m.a, torch.full((2,), float(rank + 1)), sync="mean")  # eager (rule 8): 1.5 on both
     pu.assign_add(m.count, rank + 1, sync="sum")  # 3 on both
     pu.assign(m.local, torch.full((2,), float(rank + 1)))  # eager, not synced: rank-local
-    eager = _state(m)
+    eager = state_of(m)
     with pu.step(m):
         with pu.when(torch.tensor(rank == 0)):  # true on rank 0 only
             pu.assign(m.b, torch.full((2,), 4.0), sync="mean")
@@ -376,7 +370,7 @@ def ranks(results, name):
 def test_synced_statistics_equal_mean_of_rank_updates(results, model_arg):
     """running stats == mean over ranks of each rank's update, bitwise, on every rank."""
     r0, r1 = ranks(results, f"stats_{model_arg}")
-    assert _same(r0["state"], r1["state"])
+    assert same(r0["state"], r1["state"])
     ref_m, ref_v = reference_stats(STEPS, 2)
     st = r0["state"]
     assert torch.equal(bits(st["bn.running_mean"]), bits(ref_m))
@@ -393,7 +387,7 @@ def test_pu_batchnorm2d_sync_stats_equals_mean_of_torch_batchnorm_updates(result
     r0, r1 = ranks(results, "pu_bn2d")
     if "skip" in r0:
         pytest.skip(r0["skip"])
-    assert _same(r0["state"], r1["state"])
+    assert same(r0["state"], r1["state"])
     ref = nn.BatchNorm2d(3)  # single process, every rank's data, torch's own BN (one thread, as the ranks)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -420,7 +414,7 @@ def test_pu_batchnorm2d_sync_stats_equals_mean_of_torch_batchnorm_updates(result
 def test_gradient_accumulation_under_no_sync(results, kw):
     """Two micro-batches (first under no_sync): stats and parameters match the single-process reference."""
     r0, r1 = ranks(results, f"accum_{kw}")
-    assert _same(r0["state"], r1["state"])
+    assert same(r0["state"], r1["state"])
     ref_m, ref_v = reference_stats(STEPS, 2, micro=2)
     assert torch.equal(bits(r0["state"]["bn.running_mean"]), bits(ref_m))
     assert torch.equal(bits(r0["state"]["bn.running_var"]), bits(ref_v))
@@ -441,7 +435,7 @@ def test_gradient_accumulation_under_no_sync(results, kw):
 
 def test_attach_under_ddp(results):
     r0, r1 = ranks(results, "attach")
-    assert _same(r0["state"], r1["state"]) and _same(r0["flushed"], r1["flushed"])
+    assert same(r0["state"], r1["state"]) and same(r0["flushed"], r1["flushed"])
     assert r0["steps"] == STEPS + 1  # the flush counts as a step
     for key, steps in (("state", STEPS), ("flushed", STEPS + 1)):
         ref_m, ref_v = reference_stats(steps, 2)
@@ -461,8 +455,8 @@ def test_broadcast_buffers_on_is_an_error(results, model_arg):
 def test_pytorch_broadcast_buffers_loses_rank1_statistics(results):
     """The contrast: plain BN under DDP(broadcast_buffers=True) ends with rank 0's statistics only."""
     r0, r1 = ranks(results, "torch_broadcast")
-    assert not _same(r0["own"], r1["own"])  # each rank had its own statistics...
-    assert _same(r1["after"], r0["own"])  # ...and the next forward replaced rank 1's with rank 0's
+    assert not same(r0["own"], r1["own"])  # each rank had its own statistics...
+    assert same(r1["after"], r0["own"])  # ...and the next forward replaced rank 1's with rank 0's
     # a single process that sees rank 0's data only has exactly these statistics
     # (one thread, as in the ranks: the BatchNorm kernel's reduction order depends on it)
     alone = nn.BatchNorm1d(C, momentum=MOMENTUM)
@@ -484,7 +478,7 @@ def test_rules_give_identical_ranks(results):
     r0, r1 = ranks(results, "rules")
     shared = {k: v for k, v in r0["state"].items() if k != "seen"}
     other = {k: v for k, v in r1["state"].items() if k != "seen"}
-    assert _same(shared, other)
+    assert same(shared, other)
     assert not torch.equal(r0["state"]["seen"], r1["state"]["seen"])  # the rank-local control differs
     assert r0["rows"] == [
         ("before_grad", "assign_sub"),
@@ -502,7 +496,7 @@ def test_rules_give_identical_ranks(results):
 
 def test_buckets_and_reductions(results):
     r0, r1 = ranks(results, "buckets")
-    assert _same(r0["state"], r1["state"])
+    assert same(r0["state"], r1["state"])
     v0, v1 = mixed_values(0), mixed_values(1)
     st = r0["state"]
     assert torch.equal(bits(st["f32"]), bits((v0["f32"] + v1["f32"]) / 2))
@@ -565,7 +559,7 @@ def scen_rank_raises(rank, world, marker):
     with stepper:  # one good step
         loss_of(ddp(batch(0, rank))).backward()
     opt.zero_grad()
-    before = _state(net)
+    before = state_of(net)
     if rank == 1:
         try:
             with stepper:
@@ -577,7 +571,7 @@ def scen_rank_raises(rank, world, marker):
         deadline = time.monotonic() + 30
         while not os.path.exists(marker) and time.monotonic() < deadline:
             time.sleep(0.05)
-        return {"unchanged": _same(before, _state(net))}
+        return {"unchanged": same(before, state_of(net))}
     t0 = time.monotonic()
     try:
         with stepper:
@@ -586,7 +580,7 @@ def scen_rank_raises(rank, world, marker):
     except pu.UpdateError as e:
         err = str(e)
     waited = time.monotonic() - t0
-    out = {"error": err, "waited": waited, "unchanged": _same(before, _state(net))}
+    out = {"error": err, "waited": waited, "unchanged": same(before, state_of(net))}
     open(marker, "w").close()
     return out
 

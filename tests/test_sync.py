@@ -12,18 +12,10 @@ import torch
 from torch import nn
 
 import paramupdates as pu
-from dist_models import MOMENTUM, C, Ema, Net, Two, batch, reference_stats, stats_update
+from dist_models import MOMENTUM, C, Ema, Net, Two, batch, reference_stats, same, state_of, stats_update
 from paramupdates.rules.base import register
 
 from conftest import bits
-
-
-def _state(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
-
-
-def _same(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(bits(a[k]), bits(b[k])) for k in a)
 
 
 def test_synced_statistics_versus_global_batch():
@@ -62,7 +54,7 @@ def test_single_process_sync_is_identity():
         net(x)
     with pu.step(ref):
         ref(x)
-    assert _same(_state(net), _state(ref))
+    assert same(state_of(net), state_of(ref))
     rm, rv = stats_update(torch.zeros(C), torch.ones(C), x)
     assert torch.equal(bits(net.bn.running_mean), bits(rm)) and torch.equal(bits(net.bn.running_var), bits(rv))
 
@@ -73,7 +65,7 @@ def test_sync_argument_errors():
     lin = nn.Linear(2, 2)
     m.lin = lin
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    before = _state(m)
+    before = state_of(m)
     cases = [
         (lambda: pu.assign(m.a, torch.ones(2), sync="max"), "sync must be None, 'mean' or 'sum'"),
         (lambda: pu.assign(m.flag, torch.ones(2, dtype=torch.bool), sync="sum"), "bool"),
@@ -93,17 +85,17 @@ def test_sync_argument_errors():
             with pu.step(m, opt):
                 fn()
         assert "test_sync.py:" in str(info.value)
-        assert _same(before, _state(m))
+        assert same(before, state_of(m))
 
 
 def test_rule_writing_a_synced_target_is_an_error():
     net = Net()
     register(Ema([net.lin.bias], [net.bn.running_mean], 0.5))  # a rule that writes a synced buffer
-    before = _state(net)
+    before = state_of(net)
     with pytest.raises(pu.UpdateError, match="also written by the ema rule"):
         with pu.step(net):
             net(batch(0, 0))
-    assert _same(before, _state(net))
+    assert same(before, state_of(net))
 
 
 def test_process_group_without_init_and_bad_timeout():

@@ -29,6 +29,8 @@ from . import conditions
 from ._ops import apply_inplace, check_operand
 from ._origin import call_site
 from .errors import UpdateError
+from .integrations.parametrize import inverse
+from .integrations.parametrize import source as parametrized_source
 from .targets import describe
 from .transaction import _plain, pending_value, route
 
@@ -43,6 +45,13 @@ def _issue(op: str, target: torch.Tensor, operand: Any, key: Any, phase: str | N
             f"pu.{op} at {origin}: the target is a {type(target).__name__}, not a tensor. "
             "Pass a pu.Parameter or a parameter or buffer of your model."
         )
+    src = parametrized_source(target)
+    if src is not None:
+        # rule 10: an update of a parametrized tensor goes through right_inverse
+        plist, name = src
+        for original, value in inverse(plist, name, op, target, operand, key, origin):
+            _issue("assign", original, value, None, phase, sync)
+        return
     tx, entry = route(target, origin, op)
     if tx is not None and entry is not None:
         tx.record(entry, op, operand, key, phase, sync, origin)

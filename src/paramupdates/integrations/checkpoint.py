@@ -1,0 +1,203 @@
+"""``pu.checkpoint``: activation checkpointing that replays updates, never re-issues them.
+
+Rule 3 of DESIGN.md. ``pu.checkpoint(fn, *args, **kwargs)`` is
+``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, ...)``
+with a ``context_fn`` that makes the recomputation in backward see exactly
+what the first run of the segment saw:
+
+* entering the segment in forward, the values every live step shows for its
+  targets (the overlay) are noted: one reference per pending target, no copy
+  (pending values are never written in place, rule 2);
+* during the recomputation, ``_state.replay`` is a :class:`Replay` that
+  shows those values instead of the step's latest ones. An update issued
+  again in the segment moves only the replay's own scratch view (so the
+  segment's later reads see it, as they did the first time) and is dropped:
+  the step keeps the one record the first run made.
+
+So running statistics are updated once per forward call, whether or not the
+segment is checkpointed, and a segment that reads a target after updating
+it recomputes bitwise the same values, hence the same gradients.
+
+Plain ``torch.utils.checkpoint.checkpoint`` of a segment that issues updates
+inside a step raises :class:`~paramupdates.UpdateError` in backward (the
+recomputation is an update issued during backward; the step is discarded
+and nothing is written): use ``pu.checkpoint`` instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils.checkpoint as _tc
+
+from .. import _state
+from ..transaction import Entry, Transaction, _is_pu_parameter, live_transactions
+
+__all__ = ["Replay", "checkpoint"]
+
+# (id(tx), id(entry)) -> value shown at segment entry
+_Snapshot = dict[tuple[int, int], torch.Tensor]
+
+
+class _View:
+    """What ``pu_pending`` holds for a pu.Parameter during a replay."""
+
+    __slots__ = ("target", "value")
+
+    def __init__(self, target: torch.Tensor, value: torch.Tensor) -> None:
+        self.target = target
+        self.value = value
+
+
+def _snapshot() -> _Snapshot:
+    snap: _Snapshot = {}
+    for tx in live_transactions():
+        for e in tx.entries.values():
+            v = tx.current_of(e)
+            if v is not e.target:
+                snap[(id(tx), id(e))] = v
+    return snap
+
+
+class Replay:
+    """The view of the targets during the recomputation of one segment.
+
+    ``current(tx, e)`` is the value the segment sees now: the value at segment
+    entry, then whatever the recomputed updates made it. ``set_value`` is what
+    ``Transaction.record`` calls instead of recording.
+    """
+
+    def __init__(self, snap: _Snapshot) -> None:
+        self.scratch: dict[tuple[int, int], torch.Tensor] = dict(snap)
+        self.alias: dict[int, Entry] = {}
+        self._txs = live_transactions()
+
+    def current(self, tx: Transaction, e: Entry) -> torch.Tensor:
+        return self.scratch.get((id(tx), id(e)), e.target)
+
+    def lookup(self, tx: Transaction, t: torch.Tensor) -> Entry | None:
+        e = self.alias.get(id(t))
+        if e is not None and self.scratch.get((id(tx), id(e))) is t:
+            return e
+        return None
+
+    def set_value(self, tx: Transaction, e: Entry, new: torch.Tensor) -> None:
+        self.scratch[(id(tx), id(e))] = new
+        self.alias[id(new)] = e
+        self._show(e, new)
+
+    # -- overlay ---------------------------------------------------------
+    def _show(self, e: Entry, v: torch.Tensor) -> None:
+        if _is_pu_parameter(e.target):
+            if v is e.target:
+                _state.pu_pending.pop(id(e.target), None)
+            else:
+                _state.pu_pending[id(e.target)] = _View(e.target, v)  # type: ignore[assignment]
+        elif e.info is not None and e.info.kind == "buffer" and e.info.owner is not None:
+            owner = e.info.owner
+            cur = owner._buffers.get(e.info.attr)
+            if cur is e.target or cur is e.value or self._shown(cur):
+                owner._buffers[e.info.attr] = v
+
+    def _shown(self, t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and id(t) in self.alias
+
+    def install(self) -> None:
+        for tx in self._txs:
+            for e in tx.entries.values():
+                v = self.current(tx, e)
+                self.alias[id(v)] = e
+                self._show(e, v)
+
+    def uninstall(self) -> None:
+        for tx in self._txs:
+            for e in list(tx.entries.values()):
+                real = e.current()
+                if _is_pu_parameter(e.target):
+                    if e.value is None:
+                        _state.pu_pending.pop(id(e.target), None)
+                    else:
+                        _state.pu_pending[id(e.target)] = e
+                elif e.info is not None and e.info.kind == "buffer" and e.info.owner is not None:
+                    owner = e.info.owner
+                    cur = owner._buffers.get(e.info.attr)
+                    if cur is e.target or self._shown(cur):
+                        owner._buffers[e.info.attr] = real if e.swapped else e.target
+
+
+class _Forward:
+    """Forward context of a segment: notes the overlay at entry."""
+
+    def __init__(self, cell: list[_Snapshot]) -> None:
+        self.cell = cell
+
+    def __enter__(self) -> None:
+        self.cell.append(_snapshot())
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+class _Recompute:
+    """Recompute context of a segment: shows the entry overlay, drops re-issued updates."""
+
+    def __init__(self, cell: list[_Snapshot]) -> None:
+        self.cell = cell
+        self.prev: Any = None
+        self.replay: Replay | None = None
+
+    def __enter__(self) -> None:
+        snap = self.cell[0] if self.cell else {}
+        self.prev = _state.replay
+        if self.prev is not None:
+            self.prev.uninstall()
+        self.replay = Replay(snap)
+        self.replay.install()
+        _state.replay = self.replay
+
+    def __exit__(self, *exc: Any) -> None:
+        assert self.replay is not None
+        self.replay.uninstall()
+        _state.replay = self.prev
+        if self.prev is not None:
+            self.prev.install()
+
+
+def _contexts() -> tuple[_Forward, _Recompute]:
+    cell: list[_Snapshot] = []
+    return _Forward(cell), _Recompute(cell)
+
+
+def checkpoint(
+    fn: Callable[..., Any],
+    *args: Any,
+    preserve_rng_state: bool = True,
+    determinism_check: str = "default",
+    debug: bool = False,
+    **kwargs: Any,
+) -> Any:
+    """Update-safe activation checkpointing of ``fn(*args, **kwargs)`` (rule 3).
+
+    Forward runs ``fn`` once, keeping only its inputs; backward recomputes it
+    (``torch.utils.checkpoint`` non-reentrant mode). Updates issued by ``fn``
+    are recorded once, in forward; in the recomputation every read sees what
+    it saw in forward and the updates issued again are dropped. Outputs,
+    gradients, running statistics and every other pending value equal the
+    run without checkpointing, bitwise on CPU.
+
+    ``preserve_rng_state``, ``determinism_check`` and ``debug`` are passed to
+    ``torch.utils.checkpoint.checkpoint``; every other keyword goes to ``fn``.
+    """
+    return _tc.checkpoint(
+        fn,
+        *args,
+        use_reentrant=False,
+        context_fn=_contexts,
+        preserve_rng_state=preserve_rng_state,
+        determinism_check=determinism_check,
+        debug=debug,
+        **kwargs,
+    )
+

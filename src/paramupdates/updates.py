@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from . import conditions
+from . import _state, conditions
 from ._ops import apply_inplace, check_operand
 from ._origin import call_site
 from .errors import UpdateError
@@ -55,6 +55,9 @@ def _issue(op: str, target: torch.Tensor, operand: Any, key: Any, phase: str | N
     tx, entry = route(target, origin, op)
     if tx is not None and entry is not None:
         tx.record(entry, op, operand, key, phase, sync, origin)
+        return
+    if _state.replay is not None:
+        # Re-issued by a pu.checkpoint recomputation: the forward already applied it (rule 3).
         return
     # Outside a step: eager, in place, under no_grad (rule 8).
     name = describe(target)

@@ -57,11 +57,15 @@ def _issue(op: str, target: torch.Tensor, operand: Any, key: Any, phase: str | N
         tx.record(entry, op, operand, key, phase, sync, origin)
         return
     if _state.replay is not None:
-        # Re-issued by a pu.checkpoint recomputation: the forward already applied it (rule 3).
+        # Re-issued by a pu.checkpoint recomputation: the forward already applied it (rule 3);
+        # only the recomputation's own view moves.
+        _state.replay.eager_write(op, target, operand, key, cond if isinstance(cond, torch.Tensor) else None)
         return
     # Outside a step: eager, in place, under no_grad (rule 8).
     name = describe(target)
     check_operand(op, target, operand, key, name, origin)
+    if _state.eager_log is not None:
+        _state.eager_log.note(target)  # inside pu.checkpoint: keep the value at segment entry
     apply_inplace(op, target, operand, key, cond if isinstance(cond, torch.Tensor) else None)
 
 

@@ -14,6 +14,11 @@ what the first run of the segment saw:
   segment's later reads see it, as they did the first time) and is dropped:
   the step keeps the one record the first run made.
 
+Outside a step (eager updates, rule 8) the segment's in-place writes are
+applied once, in forward; the first write of each target in the segment
+keeps a copy of its entry value, which the recomputation is shown (copied in
+with the version counter kept, and the latest value copied back after).
+
 So running statistics are updated once per forward call, whether or not the
 segment is checkpointed, and a segment that reads a target after updating
 it recomputes bitwise the same values, hence the same gradients.
@@ -33,6 +38,7 @@ import torch
 import torch.utils.checkpoint as _tc
 
 from .. import _state
+from .._ops import apply_inplace
 from ..transaction import Entry, Transaction, _is_pu_parameter, live_transactions
 
 __all__ = ["Replay", "checkpoint"]
@@ -73,6 +79,14 @@ class Replay:
         self.scratch: dict[tuple[int, int], torch.Tensor] = dict(snap)
         self.alias: dict[int, Entry] = {}
         self._txs = live_transactions()
+
+    eager: _EagerLog | None = None
+
+    def eager_write(self, op: str, target: torch.Tensor, operand: Any, key: Any, cond: Any) -> None:
+        """An eager update re-issued by the recomputation: it moves the target's entry value
+        (shown in place for the recomputation, swapped back after); other targets are dropped."""
+        if self.eager is not None and self.eager.owns(target):
+            apply_inplace(op, target, operand, key, cond)
 
     def current(self, tx: Transaction, e: Entry) -> torch.Tensor:
         return self.scratch.get((id(tx), id(e)), e.target)
@@ -127,46 +141,110 @@ class Replay:
                         owner._buffers[e.info.attr] = real if e.swapped else e.target
 
 
-class _Forward:
-    """Forward context of a segment: notes the overlay at entry."""
+class _EagerLog:
+    """Values at segment entry of the targets a segment writes eagerly (outside a step).
 
-    def __init__(self, cell: list[_Snapshot]) -> None:
+    Eager updates write in place (rule 8); the recomputation must still read
+    what the forward read, so the first write of each target in the segment
+    keeps a copy of its entry value, and the recomputation shows it by
+    copying it in and the latest value back out afterwards, with the version
+    counter restored both times (saved tensors stay valid).
+    """
+
+    def __init__(self, parent: _EagerLog | None) -> None:
+        self.parent = parent
+        self.entry: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def note(self, t: torch.Tensor) -> None:
+        log: _EagerLog | None = self
+        while log is not None:
+            if id(t) not in log.entry:
+                with torch._C.DisableTorchFunctionSubclass():
+                    log.entry[id(t)] = (t, t.detach().clone())
+            log = log.parent
+
+    def versions(self) -> dict[int, int]:
+        return {k: t._version for k, (t, _) in self.entry.items()}
+
+    def swap(self, values: dict[int, torch.Tensor], versions: dict[int, int]) -> dict[int, torch.Tensor]:
+        """Write ``values`` into their targets, set their version counters; return what was there."""
+        out: dict[int, torch.Tensor] = {}
+        with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+            for k, (t, _) in self.entry.items():
+                out[k] = t.detach().clone()
+                t.detach().copy_(values[k])
+                _set_version(t, versions[k])
+        return out
+
+    def owns(self, t: torch.Tensor) -> bool:
+        rec = self.entry.get(id(t))
+        return rec is not None and rec[0] is t
+
+
+def _set_version(t: torch.Tensor, version: int) -> None:
+    try:
+        torch._C._autograd._unsafe_set_version_counter((t,), (version,))
+    except TypeError:  # torch < 2.5 takes one tensor
+        torch._C._autograd._unsafe_set_version_counter(t, version)
+
+
+class _Forward:
+    """Forward context of a segment: notes the overlay at entry and logs eager writes."""
+
+    def __init__(self, cell: list[Any]) -> None:
         self.cell = cell
+        self.prev: Any = None
 
     def __enter__(self) -> None:
-        self.cell.append(_snapshot())
+        self.prev = _state.eager_log
+        log = _EagerLog(self.prev)
+        self.cell[:] = [_snapshot(), log]
+        _state.eager_log = log
 
     def __exit__(self, *exc: Any) -> None:
-        return None
+        _state.eager_log = self.prev
 
 
 class _Recompute:
-    """Recompute context of a segment: shows the entry overlay, drops re-issued updates."""
+    """Recompute context of a segment: shows the entry values, drops re-issued updates."""
 
-    def __init__(self, cell: list[_Snapshot]) -> None:
+    def __init__(self, cell: list[Any]) -> None:
         self.cell = cell
         self.prev: Any = None
+        self.prev_log: Any = None
         self.replay: Replay | None = None
+        self.latest: dict[int, torch.Tensor] | None = None
+        self.versions: dict[int, int] = {}
 
     def __enter__(self) -> None:
-        snap = self.cell[0] if self.cell else {}
+        snap, log = self.cell if self.cell else ({}, None)
         self.prev = _state.replay
         if self.prev is not None:
             self.prev.uninstall()
         self.replay = Replay(snap)
         self.replay.install()
         _state.replay = self.replay
+        self.prev_log = _state.eager_log
+        _state.eager_log = None
+        self.replay.eager = log
+        if log is not None and log.entry:
+            self.versions = log.versions()
+            self.latest = log.swap({k: v for k, (_, v) in log.entry.items()}, self.versions)
 
     def __exit__(self, *exc: Any) -> None:
         assert self.replay is not None
+        if self.latest is not None:
+            self.cell[1].swap(self.latest, self.versions)
+            self.latest = None
         self.replay.uninstall()
         _state.replay = self.prev
+        _state.eager_log = self.prev_log
         if self.prev is not None:
             self.prev.install()
 
 
 def _contexts() -> tuple[_Forward, _Recompute]:
-    cell: list[_Snapshot] = []
+    cell: list[Any] = []
     return _Forward(cell), _Recompute(cell)
 
 

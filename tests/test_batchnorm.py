@@ -7,10 +7,11 @@ gradients and every buffer bitwise (CPU).
 
 import pytest
 import torch
-from conftest import bits
 from torch import nn
 
 import paramupdates as pu
+
+from conftest import bits
 
 CASES = [
     (nn.BatchNorm1d, pu.nn.BatchNorm1d, (8, 4)),

@@ -2,11 +2,12 @@
 
 import pytest
 import torch
-from conftest import assert_same, bits, snapshot
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import paramupdates as pu
+
+from conftest import assert_same, bits, snapshot
 
 
 class Block(nn.Module):

@@ -4,11 +4,12 @@ import copy
 
 import pytest
 import torch
-from conftest import assert_same, bits, snapshot
 from torch import nn
 from torch.optim.swa_utils import update_bn
 
 import paramupdates as pu
+
+from conftest import assert_same, bits, snapshot
 
 
 def _net():

@@ -2,11 +2,12 @@
 
 import pytest
 import torch
-from conftest import bits
 from torch import nn
 from torch.func import functional_call, grad, stack_module_state, vmap
 
 import paramupdates as pu
+
+from conftest import bits
 
 
 def _net(bn=pu.nn.BatchNorm1d):

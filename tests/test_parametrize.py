@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from conftest import assert_same, bits, snapshot
 from torch import nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import orthogonal, weight_norm
@@ -10,6 +9,8 @@ from torch.nn.utils.parametrizations import orthogonal, weight_norm
 import paramupdates as pu
 from paramupdates.rules.base import Rule, WeakTensors, register
 from paramupdates.schedule import AFTER_GRAD
+
+from conftest import assert_same, bits, snapshot
 
 
 def _wn(seed=0):

@@ -2,12 +2,13 @@
 
 import pytest
 import torch
-from conftest import assert_same, bits, snapshot
 from torch import nn
 from torch.nn.utils.parametrizations import spectral_norm as torch_sn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import paramupdates as pu
+
+from conftest import assert_same, bits, snapshot
 
 
 def _make(sn, seed=0, conv=False):

@@ -172,16 +172,78 @@ def test_in_place_update_inside_torch_checkpoint_gives_wrong_gradients():
     assert not torch.equal(s_plain, s_ckpt)  # and the state updated twice
 
 
-def test_plain_torch_checkpoint_inside_a_step_raises_and_changes_nothing():
-    model = Net(ckpt=lambda f, x: torch_checkpoint(f, x, use_reentrant=False))
+def _torch_ckpt(f, *args):
+    return torch_checkpoint(f, *args, use_reentrant=False)
+
+
+@pytest.mark.parametrize("stepped", [False, True])
+def test_plain_torch_checkpoint_is_made_update_safe(stepped):
+    """torch.utils.checkpoint(use_reentrant=False) itself: a segment that issues updates is
+    adopted at its first update, so the recomputation replays like pu.checkpoint."""
+    xs = [torch.randn(4, 3, 5, 5) for _ in range(3)]
+    ref, ckpt = Net(nn.BatchNorm2d), Net(ckpt=_torch_ckpt)
+    _same_init(ref, ckpt)
+    _train(ref, xs, stepped=False)
+    _train(ckpt, xs, stepped=stepped)
+    assert int(ckpt.block.bn.num_batches_tracked) == 3  # torch's own BN would count 6
+    assert_same(snapshot(ref), snapshot(ckpt))
+
+
+def test_plain_torch_checkpoint_read_after_write_segment():
+    x = torch.randn(5, 3)
+    results = []
+    for ckpt in (None, _torch_ckpt):
+        torch.manual_seed(1)
+        m = ReadAfterWrite()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        with pu.step(m, opt):
+            m(x, ckpt).backward()
+            grads = [p.grad.clone() for p in (m.w, m.gain)]
+        results.append((grads, snapshot(m)))
+    (g0, s0), (g1, s1) = results
+    for a, b in zip(g0, g1):
+        assert torch.equal(bits(a), bits(b))
+    assert_same(s0, s1)
+
+
+def test_reentrant_torch_checkpoint_inside_a_step_raises_and_changes_nothing():
+    """Reentrant checkpointing recomputes inside backward with no hook to replay: a clear error."""
+    model = Net(ckpt=lambda f, x: torch_checkpoint(f, x, use_reentrant=True))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model(torch.randn(4, 3, 5, 5))  # some statistics to keep
+    model(torch.randn(4, 3, 5, 5).requires_grad_())  # some statistics to keep
     before = snapshot(model)
     with pytest.raises(pu.UpdateError, match=r"pu\.checkpoint") as ei, pu.step(model, opt):
-        model(torch.randn(4, 3, 5, 5)).sum().backward()
+        model(torch.randn(4, 3, 5, 5).requires_grad_()).sum().backward()
     assert "block.bn.num_batches_tracked" in str(ei.value)
     assert "batchnorm.py:" in str(ei.value)
     assert_same(before, snapshot(model))
+
+
+class ReadOnlySegment(nn.Module):
+    """The segment issues no update but reads a target updated after it."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 3))
+        self.scale = pu.Parameter(torch.full((3,), 2.0), auxiliary=True)
+
+    def forward(self, x, ckpt):
+        seg = lambda x: (x @ self.w) * self.scale  # noqa: E731
+        h = seg(x) if ckpt is None else ckpt(seg, x)
+        self.scale.assign(self.scale * 10.0)
+        return h.square().sum()
+
+
+def test_pu_checkpoint_segment_without_updates_sees_entry_values():
+    x = torch.randn(5, 3)
+    grads = []
+    for ckpt in (None, pu.checkpoint):
+        torch.manual_seed(1)
+        m = ReadOnlySegment()
+        with pu.step(m):
+            m(x, ckpt).backward()
+        grads.append(m.w.grad)
+    assert torch.equal(bits(grads[0]), bits(grads[1]))
 
 
 def test_checkpoint_passes_kwargs_and_keeps_rng():

@@ -96,10 +96,15 @@ def test_torch_spectral_norm_under_checkpoint_is_wrong():
     assert not torch.equal(s0[-2][1], s1[-2][1])  # _u differs
 
 
+def _torch_ckpt(f, x):
+    return torch_checkpoint(f, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("ckpt", [pu.checkpoint, _torch_ckpt], ids=["pu.checkpoint", "torch.checkpoint"])
 @pytest.mark.parametrize("stepped", [False, True])
-def test_pu_spectral_norm_under_pu_checkpoint_equals_no_checkpoint(stepped):
+def test_pu_spectral_norm_under_checkpoint_equals_no_checkpoint(stepped, ckpt):
     g0, s0 = _ckpt_run(pu.nn.spectral_norm, None, stepped)
-    g1, s1 = _ckpt_run(pu.nn.spectral_norm, pu.checkpoint, stepped)
+    g1, s1 = _ckpt_run(pu.nn.spectral_norm, ckpt, stepped)
     assert torch.equal(bits(g0), bits(g1))
     assert_same(s0, s1)
     # and equals PyTorch's spectral norm without checkpointing, bitwise

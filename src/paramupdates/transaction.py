@@ -250,6 +250,11 @@ class Transaction:
                 "checkpointing."
             )
         check_operand(op, e.target, operand, key, e.name, origin)
+        if _state.replay is None and _state.eager_log is None:
+            # inside a plain torch.utils.checkpoint segment: note its entry values (rule 3)
+            from .integrations.checkpoint import adopt_torch_segment
+
+            adopt_torch_segment()
         cond = conditions.current()
         if isinstance(operand, torch.Tensor):
             operand = self.read(operand)

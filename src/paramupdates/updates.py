@@ -29,6 +29,7 @@ from . import _state, conditions
 from ._ops import apply_inplace, check_operand
 from ._origin import call_site
 from .errors import UpdateError
+from .integrations.checkpoint import adopt_torch_segment
 from .integrations.parametrize import inverse
 from .integrations.parametrize import source as parametrized_source
 from .targets import describe
@@ -64,8 +65,9 @@ def _issue(op: str, target: torch.Tensor, operand: Any, key: Any, phase: str | N
     # Outside a step: eager, in place, under no_grad (rule 8).
     name = describe(target)
     check_operand(op, target, operand, key, name, origin)
-    if _state.eager_log is not None:
-        _state.eager_log.note(target)  # inside pu.checkpoint: keep the value at segment entry
+    log = _state.eager_log if _state.eager_log is not None else adopt_torch_segment()
+    if log is not None:
+        log.note(target)  # inside a checkpointed segment: keep the value at segment entry (rule 3)
     apply_inplace(op, target, operand, key, cond if isinstance(cond, torch.Tensor) else None)
 
 

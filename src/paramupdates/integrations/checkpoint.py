@@ -243,6 +243,53 @@ class _Recompute:
             self.prev.install()
 
 
+_FORWARD_HOOK = "_checkpoint_hook.__init__.<locals>.pack_hook"
+_CELL_ATTR = "_pu_replay_cell"
+
+
+def _torch_checkpoint_frame() -> Any:
+    """The ``_CheckpointFrame`` of the innermost ``torch.utils.checkpoint`` (non-reentrant)
+    segment whose forward is running, or None."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    if not hooks:
+        return None
+    pack = hooks[0]
+    code = getattr(pack, "__code__", None)
+    if getattr(pack, "__qualname__", "") != _FORWARD_HOOK or code is None or "frame" not in code.co_freevars:
+        return None
+    closure = pack.__closure__ or ()
+    return closure[code.co_freevars.index("frame")].cell_contents
+
+
+def adopt_torch_segment() -> _EagerLog | None:
+    """Make a plain ``torch.utils.checkpoint(..., use_reentrant=False)`` segment update-safe.
+
+    Called by the first update a segment issues in forward (and by every later
+    one): the values shown at that moment are the values at segment entry
+    (nothing else ran in between), so they are noted as for ``pu.checkpoint``,
+    and the segment's ``recompute_fn`` is wrapped in the same recompute
+    context. Returns the segment's eager log (None outside such a segment).
+    """
+    frame = _torch_checkpoint_frame()
+    if frame is None:
+        return None
+    cell = getattr(frame, _CELL_ATTR, None)
+    if cell is None:
+        orig = getattr(frame, "recompute_fn", None)
+        if orig is None:
+            return None
+        cell = [_snapshot(), _EagerLog(None)]
+        ctx = _Recompute(cell)
+
+        def recompute_fn(*args: Any) -> None:
+            with ctx:
+                orig(*args)
+
+        frame.recompute_fn = recompute_fn
+        setattr(frame, _CELL_ATTR, cell)
+    return cell[1]
+
+
 def _contexts() -> tuple[_Forward, _Recompute]:
     cell: list[Any] = []
     return _Forward(cell), _Recompute(cell)

@@ -244,9 +244,10 @@ class Transaction:
             )
         if _state.replay is None and torch._C._current_graph_task_id() != -1:
             raise UpdateError(
-                f"{fn} on {e.name!r} at {origin} was issued during backward (from a hook or from "
-                "recomputation by torch.utils.checkpoint). Updates issued in backward would be applied "
-                "twice or out of order: issue them in forward, and use pu.checkpoint for activation "
+                f"{fn} on {e.name!r} at {origin} was issued during backward (from a hook, or from "
+                "the recomputation of torch.utils.checkpoint with use_reentrant=True). Updates issued in "
+                "backward would be applied twice or out of order: issue them in forward, and use "
+                "pu.checkpoint (or torch.utils.checkpoint with use_reentrant=False) for activation "
                 "checkpointing."
             )
         check_operand(op, e.target, operand, key, e.name, origin)

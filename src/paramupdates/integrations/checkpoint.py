@@ -23,10 +23,20 @@ So running statistics are updated once per forward call, whether or not the
 segment is checkpointed, and a segment that reads a target after updating
 it recomputes bitwise the same values, hence the same gradients.
 
-Plain ``torch.utils.checkpoint.checkpoint`` of a segment that issues updates
-inside a step raises :class:`~paramupdates.UpdateError` in backward (the
-recomputation is an update issued during backward; the step is discarded
-and nothing is written): use ``pu.checkpoint`` instead.
+Plain ``torch.utils.checkpoint.checkpoint(fn, ..., use_reentrant=False)``
+is made update-safe too, for segments that issue updates (batch norm,
+spectral norm): the first update a segment issues in forward notes the
+values shown at that moment (nothing ran in the segment before it that
+could have changed them, so they are the values at segment entry) and wraps
+the segment's recompute function in the same replay. What it cannot see is
+a segment that issues *no* update but reads a target updated *after* it in
+the step: its recomputation reads the later value. Use ``pu.checkpoint``
+there (it notes the values at entry, whatever the segment does).
+
+Reentrant checkpointing (``use_reentrant=True``) recomputes inside backward
+with no hook to replay through: an update it re-issues inside a step raises
+:class:`~paramupdates.UpdateError` (the step is discarded, nothing is
+written); use ``pu.checkpoint``.
 """
 
 from __future__ import annotations
@@ -270,6 +280,8 @@ def adopt_torch_segment() -> _EagerLog | None:
     and the segment's ``recompute_fn`` is wrapped in the same recompute
     context. Returns the segment's eager log (None outside such a segment).
     """
+    if torch.compiler.is_compiling():
+        return None
     frame = _torch_checkpoint_frame()
     if frame is None:
         return None

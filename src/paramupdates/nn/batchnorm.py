@@ -51,6 +51,8 @@ __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "Update
 
 
 def _under_functorch() -> bool:
+    if torch.compiler.is_compiling():
+        return False
     return torch._C._functorch.maybe_current_level() is not None
 
 

@@ -44,10 +44,24 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import _state, conditions
 from ..conditions import when
+from ..integrations.checkpoint import _torch_checkpoint_frame
 from ..updates import assign, assign_add
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "UpdateSafeBatchNorm"]
+
+
+def _nothing_records() -> bool:
+    """True when an update issued now would simply apply in place: no step, attachment,
+    condition, checkpoint segment, recomputation, transform or compilation is active."""
+    if _state.explicit or _state.attachments or _state.replay is not None or _state.eager_log is not None:
+        return False
+    if conditions.current() is not None or torch.compiler.is_compiling():
+        return False
+    if torch._C._functorch.maybe_current_level() is not None:
+        return False
+    return _torch_checkpoint_frame() is None
 
 
 def _under_functorch() -> bool:
@@ -135,10 +149,24 @@ class UpdateSafeBatchNorm:
         out = F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
         return out, new_mean, new_var
 
+    def _eager_in_place(self, input: Tensor) -> Tensor:
+        """What eager ``assign`` would do (rule 8), without its per-call cost: PyTorch's own
+        in-place update of the buffers. Used only when nothing could record or replay it."""
+        rm, rv, nbt = self.running_mean, self.running_var, self.num_batches_tracked
+        factor = 0.0 if self.momentum is None else float(self.momentum)
+        if nbt is not None:
+            with torch.no_grad():
+                nbt.add_(1)
+            if self.momentum is None:
+                factor = 1.0 / float(nbt)
+        return F.batch_norm(input, rm, rv, self.weight, self.bias, True, factor, self.eps)
+
     def forward(self, input: Tensor) -> Tensor:
         """As ``torch.nn.BatchNorm*d.forward``; running statistics change through assign."""
         self._check_input_dim(input)  # type: ignore[attr-defined]
         if self.training and self.track_running_stats:
+            if _nothing_records():
+                return self._eager_in_place(input)
             with when(self.training):
                 factor = self._factor()
                 return self._train_with_stats(input, factor)

@@ -268,3 +268,9 @@ def test_checkpoint_passes_kwargs_and_keeps_rng():
         (seq2(x) * 2.0).sum().backward()
     assert torch.equal(g1, x.grad)
     assert torch.equal(bn.running_mean, bn2.running_mean)
+
+
+def test_pu_checkpoint_warns_about_torch_batchnorm():
+    block = Block(nn.BatchNorm2d)
+    with pytest.warns(UserWarning, match="pu.convert"):
+        pu.checkpoint(block, torch.randn(2, 3, 4, 4, requires_grad=True))

@@ -252,10 +252,7 @@ class Transaction:
             )
         check_operand(op, e.target, operand, key, e.name, origin)
         if _state.replay is None and _state.eager_log is None:
-            # inside a plain torch.utils.checkpoint segment: note its entry values (rule 3)
-            from .integrations.checkpoint import adopt_torch_segment
-
-            adopt_torch_segment()
+            _adopt_torch_segment()  # inside a plain torch.utils.checkpoint segment: note its entry values (rule 3)
         cond = conditions.current()
         if isinstance(operand, torch.Tensor):
             operand = self.read(operand)
@@ -513,6 +510,18 @@ class Transaction:
 
     def finish(self) -> None:
         self.state = "closed"
+
+
+_ADOPT: Any = None
+
+
+def _adopt_torch_segment() -> None:
+    global _ADOPT
+    if _ADOPT is None:  # imported on first use: integrations.checkpoint imports this module
+        from .integrations.checkpoint import adopt_torch_segment
+
+        _ADOPT = adopt_torch_segment
+    _ADOPT()
 
 
 def route(t: torch.Tensor, origin: str, op: str) -> tuple[Transaction | None, Entry | None]:

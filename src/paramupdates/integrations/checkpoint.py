@@ -41,6 +41,7 @@ written); use ``pu.checkpoint``.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -307,6 +308,27 @@ def _contexts() -> tuple[_Forward, _Recompute]:
     return _Forward(cell), _Recompute(cell)
 
 
+_WARNED: set[int] = set()
+
+
+def _warn_plain_batchnorm(fn: Any) -> None:
+    """torch.nn batch norms write in place, out of reach of the replay: say so once per module."""
+    mod = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
+    if not isinstance(mod, torch.nn.Module) or id(mod) in _WARNED or not mod.training:
+        return
+    from ..nn.batchnorm import UpdateSafeBatchNorm
+
+    plain = [n or type(m).__name__ for n, m in mod.named_modules()
+             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(m, UpdateSafeBatchNorm)]
+    if plain:
+        _WARNED.add(id(mod))
+        warnings.warn(
+            f"pu.checkpoint: {plain[:3]} are torch.nn batch norms; they update their statistics in place "
+            "and the recomputation updates them again. Convert the model first: model = pu.convert(model).",
+            stacklevel=3,
+        )
+
+
 def checkpoint(
     fn: Callable[..., Any],
     *args: Any,
@@ -327,6 +349,7 @@ def checkpoint(
     ``preserve_rng_state``, ``determinism_check`` and ``debug`` are passed to
     ``torch.utils.checkpoint.checkpoint``; every other keyword goes to ``fn``.
     """
+    _warn_plain_batchnorm(fn)
     return _tc.checkpoint(
         fn,
         *args,

@@ -156,3 +156,33 @@ def test_reset_running_stats_in_a_step_is_pending():
         mod.reset_running_stats()
         raise RuntimeError("boom")
     assert not torch.equal(mod.running_mean, torch.zeros(4)) and not torch.equal(before, mod.running_mean)
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_tensor_condition_gates_the_statistics(flag):
+    """Rule 6 inside the module: pu.when(tensor) around a forward -> where(pred, new, old)."""
+    ref, mod = _pair(nn.BatchNorm1d, pu.nn.BatchNorm1d, None, True, True)
+    x = torch.randn(8, 4)
+    before = {k: v.clone() for k, v in mod.state_dict().items()}
+    with pu.step(mod), pu.when(torch.tensor(flag)):
+        y = mod(x)
+    assert torch.equal(bits(y), bits(ref(x)))  # the output never depends on the condition
+    if flag:
+        _assert_modules(ref, mod)
+    else:
+        for k, v in mod.state_dict().items():
+            _assert_bits(v, before[k], k)
+
+
+def test_eval_forward_in_the_same_step_reads_pending_statistics():
+    ref, mod = _pair(nn.BatchNorm1d, pu.nn.BatchNorm1d, 0.1, True, True)
+    x1, x2 = torch.randn(8, 4), torch.randn(8, 4)
+    ref(x1)
+    ref.eval()
+    y_ref = ref(x2)
+    with pu.step(mod):
+        mod(x1)
+        mod.eval()
+        y = mod(x2)  # normalizes with the statistics x1 left pending (rule 1)
+    _assert_bits(y_ref, y, "eval output")
+    _assert_modules(ref, mod)

@@ -139,3 +139,14 @@ def test_weight_norm_with_max_norm_on_magnitude_and_direction():
     w = mod.weight
     torch.testing.assert_close(w.norm(dim=1, keepdim=True), g.abs())  # |row of W| = |g|
     assert torch.equal(bits(w), bits(ref.weight))
+
+
+def test_eager_assign_of_a_parametrized_weight():
+    """Rule 8 with rule 10: outside a step the originals are written at once, as PyTorch's setter does."""
+    ref, mod = _wn(), _wn()
+    pu.Stepper(mod)  # paramupdates indexes the model (and recognises its parametrizations)
+    value = torch.randn(4, 3)
+    with torch.no_grad():
+        ref.weight = value
+    pu.assign(mod.weight, value)
+    assert_same(snapshot(ref), snapshot(mod))

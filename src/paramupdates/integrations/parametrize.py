@@ -59,6 +59,8 @@ def track(module: nn.Module, qualified_name: str) -> None:
 
 def source(t: torch.Tensor) -> tuple[parametrize.ParametrizationList, str] | None:
     """The ``ParametrizationList`` that produced ``t`` and the parametrized tensor's name, if any."""
+    if not _OUTPUTS:  # no parametrized tensor alive: nothing to look up (and no id() under tracing)
+        return None
     rec = _OUTPUTS.get(id(t))
     if rec is None or rec[0]() is not t:
         return None

@@ -47,6 +47,7 @@ from torch import Tensor, nn
 from .. import _state, conditions
 from ..conditions import when
 from ..integrations.checkpoint import _torch_checkpoint_frame
+from ..integrations.distributed import is_distributed
 from ..updates import assign, assign_add
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "UpdateSafeBatchNorm"]
@@ -165,7 +166,7 @@ class UpdateSafeBatchNorm:
         """As ``torch.nn.BatchNorm*d.forward``; running statistics change through assign."""
         self._check_input_dim(input)  # type: ignore[attr-defined]
         if self.training and self.track_running_stats:
-            if _nothing_records():
+            if _nothing_records() and not (self.sync_stats and is_distributed()):
                 return self._eager_in_place(input)
             with when(self.training):
                 factor = self._factor()

@@ -281,8 +281,6 @@ def batch2d(step, rank):
 
 def scen_pu_bn2d(rank, world):
     """pu.nn.BatchNorm2d(sync_stats=True) under DDP (first layer: its statistics depend on the data only)."""
-    if not hasattr(pu, "nn"):
-        return {"skip": "pu.nn (the BatchNorm branch) is not merged into this branch yet"}
     torch.manual_seed(0)
     net = nn.Sequential(pu.nn.BatchNorm2d(3, sync_stats=True), nn.Conv2d(3, 2, 3), nn.Flatten(), nn.Linear(18, 2))
     ddp = DDP(net, **NO_BROADCAST)
@@ -293,6 +291,15 @@ def scen_pu_bn2d(rank, world):
             loss_of(ddp(batch2d(s, rank))).backward()
         opt.zero_grad()
     return {"state": state_of(net)}
+
+
+def scen_pu_bn_eager(rank, world):
+    """pu.nn.BatchNorm1d(sync_stats=True) trained outside any step (plain loop): each forward syncs at once."""
+    torch.manual_seed(0)
+    bn = pu.nn.BatchNorm1d(C, sync_stats=True)
+    for s in range(STEPS):
+        bn(batch(s, rank))
+    return {"state": state_of(bn)}
 
 
 def scen_eager_and_when(rank, world):
@@ -311,6 +318,7 @@ def scen_eager_and_when(rank, world):
 
 SCENARIOS = {
     "eager_when": (scen_eager_and_when, ()),
+    "pu_bn_eager": (scen_pu_bn_eager, ()),
     "pu_bn2d": (scen_pu_bn2d, ()),
     "stats_wrapper": (scen_ddp_stats, ("wrapper",)),
     "stats_module": (scen_ddp_stats, ("module",)),
@@ -382,13 +390,11 @@ def test_synced_statistics_equal_mean_of_rank_updates(results, model_arg):
     assert "sync=mean" in r0["schedule"]
 
 
-def test_pu_batchnorm2d_sync_stats_equals_mean_of_torch_batchnorm_updates(results):
-    """pu.nn.BatchNorm2d(sync_stats=True): running stats == mean over ranks of torch.nn.BatchNorm2d's updates."""
-    r0, r1 = ranks(results, "pu_bn2d")
-    if "skip" in r0:
-        pytest.skip(r0["skip"])
-    assert same(r0["state"], r1["state"])
-    ref = nn.BatchNorm2d(3)  # single process, every rank's data, torch's own BN (one thread, as the ranks)
+def torch_bn_mean_of_updates(ref: nn.Module, data) -> nn.Module:
+    """Single process, every rank's data, torch's own BN: each step, the mean over ranks of its updates.
+
+    One thread, as in the ranks (the BatchNorm kernel's reduction order depends on it).
+    """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -396,7 +402,7 @@ def test_pu_batchnorm2d_sync_stats_equals_mean_of_torch_batchnorm_updates(result
             per_rank = []
             for r in range(2):
                 bn = copy.deepcopy(ref)
-                bn(batch2d(s, r))
+                bn(data(s, r))
                 per_rank.append(bn)
             with torch.no_grad():
                 ref.running_mean.copy_((per_rank[0].running_mean + per_rank[1].running_mean) / 2)
@@ -404,10 +410,27 @@ def test_pu_batchnorm2d_sync_stats_equals_mean_of_torch_batchnorm_updates(result
                 ref.num_batches_tracked.copy_(per_rank[0].num_batches_tracked)
     finally:
         torch.set_num_threads(threads)
+    return ref
+
+
+def test_pu_batchnorm2d_sync_stats_equals_mean_of_torch_batchnorm_updates(results):
+    """pu.nn.BatchNorm2d(sync_stats=True) under DDP: running stats == mean over ranks of torch.nn.BatchNorm2d's."""
+    r0, r1 = ranks(results, "pu_bn2d")
+    assert same(r0["state"], r1["state"])
+    ref = torch_bn_mean_of_updates(nn.BatchNorm2d(3), batch2d)
     st = r0["state"]
     assert torch.equal(bits(st["0.running_mean"]), bits(ref.running_mean))
     assert torch.equal(bits(st["0.running_var"]), bits(ref.running_var))
     assert int(st["0.num_batches_tracked"]) == STEPS
+
+
+def test_pu_batchnorm_sync_stats_outside_a_step(results):
+    """Without pu.step (a plain loop), sync_stats=True still averages: every forward reduces at once."""
+    r0, r1 = ranks(results, "pu_bn_eager")
+    assert same(r0["state"], r1["state"])
+    ref = torch_bn_mean_of_updates(nn.BatchNorm1d(C), batch)
+    assert torch.equal(bits(r0["state"]["running_mean"]), bits(ref.running_mean))
+    assert torch.equal(bits(r0["state"]["running_var"]), bits(ref.running_var))
 
 
 @pytest.mark.parametrize("kw", ["forward_sync_buffers", "broadcast_buffers"])

@@ -7,10 +7,13 @@ Run on CPU (gloo), two processes:
 Each rank sees its own data (rank 1's inputs are shifted by +1). With plain
 ``torch.nn.BatchNorm2d`` under ``DistributedDataParallel`` (whose
 ``broadcast_buffers=True`` default copies rank 0's buffers into every rank
-at each forward), rank 1's statistics would never count. Here the running
-statistics are committed with ``sync="mean"``: at the end of every step each
+at each forward), rank 1's statistics would never count. Here
+``pu.nn.BatchNorm2d(sync_stats=True)`` commits its running statistics with
+``sync="mean"``: at the end of every step (after both micro-batches) each
 rank's update is averaged over the ranks, in one all-reduce, and every rank
-writes the same value. The script checks that, and prints the step's plan.
+writes the same value,
+``running <- (1 - m) * running + m * mean_r(batch statistic of rank r)``.
+The script checks that, and prints the step's plan.
 """
 
 from __future__ import annotations
@@ -28,30 +31,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import paramupdates as pu
 
 
-class SyncedBatchNorm2d(nn.BatchNorm2d):
-    """``nn.BatchNorm2d`` whose running statistics go through ``pu.assign(..., sync="mean")``.
-
-    Normalises with the local batch (like BatchNorm2d under DDP); the running
-    estimates become, on every rank, the mean over ranks of each rank's update:
-    ``running <- (1 - m) * running + m * mean_r(stat_r)``.
-    """
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training:
-            return super().forward(x)
-        mean = x.mean((0, 2, 3))
-        var = x.var((0, 2, 3), unbiased=False)
-        n = x.numel() / x.shape[1]
-        m = self.momentum
-        with torch.no_grad():
-            pu.assign(self.running_mean, (1 - m) * self.running_mean + m * mean, sync="mean")
-            pu.assign(self.running_var, (1 - m) * self.running_var + m * var * (n / (n - 1)), sync="mean")
-            pu.assign_add(self.num_batches_tracked, 1, sync="mean")
-        shape = (1, -1, 1, 1)
-        y = (x - mean.view(shape)) / torch.sqrt(var.view(shape) + self.eps)
-        return y * self.weight.view(shape) + self.bias.view(shape)
-
-
 def no_buffer_broadcast() -> dict[str, bool]:
     """DDP's switch for buffer broadcasting in forward (renamed in torch 2.13)."""
     params = inspect.signature(DDP.__init__).parameters
@@ -65,7 +44,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Conv2d(3, 8, 3, padding=1),
-        SyncedBatchNorm2d(8),
+        pu.nn.BatchNorm2d(8, sync_stats=True),  # running statistics committed with sync="mean"
         nn.ReLU(),
         nn.AdaptiveAvgPool2d(1),
         nn.Flatten(),

@@ -630,3 +630,4 @@ def test_ddp_example_runs_under_torchrun():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "statistics and weights identical on every rank" in proc.stdout
     assert "module.1.running_mean         assign sync=mean" in proc.stdout
+    assert "module.1.running_var          assign sync=mean" in proc.stdout

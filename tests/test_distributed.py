@@ -151,6 +151,26 @@ def scen_rules(rank, world):
     return {"state": state_of(net), "rows": rows}
 
 
+def scen_declared_rules(rank, world):
+    """pu.weight_decay, pu.constrain(max_norm) and pu.ema under DDP with synced stats: ranks bitwise equal."""
+    if not hasattr(pu, "ema"):
+        return {"skip": "pu.weight_decay/constrain/ema (the rules branch) are not merged into this branch yet"}
+    torch.manual_seed(0)
+    net = Net()
+    pu.weight_decay(net, 0.05)
+    pu.constrain(net.lin.weight, pu.max_norm(0.5))
+    avg = pu.ema(net, 0.9)
+    ddp = DDP(net, **NO_BROADCAST)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    stepper = pu.Stepper(ddp, opt)
+    for s in range(4):
+        with stepper:
+            loss_of(ddp(batch(s, rank))).backward()
+        opt.zero_grad()
+    rows = [(r.phase, r.op) for r in stepper.schedule()]
+    return {"state": state_of(net), "ema": state_of(avg), "rows": rows}
+
+
 class Mixed(nn.Module):
     """Buffers of several dtypes, synced with mean and sum."""
 
@@ -329,6 +349,7 @@ SCENARIOS = {
     "broadcast_module": (scen_broadcast_on, ("module",)),
     "torch_broadcast": (scen_torch_broadcast, ()),
     "rules": (scen_rules, ()),
+    "declared_rules": (scen_declared_rules, ()),
     "buckets": (scen_buckets, ()),
     "nonfinite": (scen_nonfinite, ()),
     "disagree": (scen_disagree, ()),
@@ -515,6 +536,20 @@ def test_rules_give_identical_ranks(results):
     ]
     assert float(r0["state"]["lin.weight"].norm(dim=1).max()) <= 0.5 + 1e-6
     assert not torch.equal(r0["state"]["ema.weight"], r0["state"]["lin.weight"])
+
+
+def test_declared_rules_of_pu_give_identical_ranks(results):
+    """The library's rules (weight decay, max-norm constraint, EMA) under DDP: ranks bitwise equal, EMA too."""
+    r0, r1 = ranks(results, "declared_rules")
+    if "skip" in r0:
+        pytest.skip(r0["skip"])
+    assert same(r0["state"], r1["state"]) and same(r0["ema"], r1["ema"])
+    rules = [(phase, op) for phase, op in r0["rows"] if not op.startswith(("assign", "SGD"))]
+    assert [phase for phase, _ in rules] == ["before_grad", "after_grad", "after_step"]
+    assert rules[0][1] == "weight_decay" and rules[1][1].startswith("constrain") and rules[2][1].startswith("ema")
+    # the EMA saw the synced statistics: its running mean is the EMA of identical values on both ranks
+    assert not torch.equal(r0["ema"]["bn.running_mean"], torch.zeros(C))
+    assert float(r0["state"]["lin.weight"].norm(dim=1).max()) <= 0.5 + 1e-6
 
 
 def test_buckets_and_reductions(results):

@@ -372,6 +372,7 @@ class Attachment(_Owner):
                 self._last = self._plan
             else:
                 tx.done_phases.add("grad")
+                tx.stage_done(True)  # the optimizer's step, a fallible stage, is behind us
                 tx.remove_overlay()
                 for phase in (AFTER_GRAD, AUXILIARY, AFTER_STEP):
                     tx.run_phase(phase)

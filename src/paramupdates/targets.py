@@ -40,6 +40,7 @@ class ModelIndex:
     def __init__(self, model: nn.Module) -> None:
         self._model_ref = weakref.ref(model)
         self.by_id: dict[int, TargetInfo] = {}
+        self.generation = 0
         self.build()
 
     @property
@@ -59,6 +60,7 @@ class ModelIndex:
                         if t is not None and id(t) not in by_id:
                             by_id[id(t)] = TargetInfo(weakref.ref(t), prefix + attr, mref, attr, kind)
         self.by_id = by_id
+        self.generation += 1
 
     def lookup(self, t: torch.Tensor) -> TargetInfo | None:
         """The info of ``t`` if the model owns it (rebuilding once on a miss)."""
@@ -70,6 +72,17 @@ class ModelIndex:
         if info is not None and info.ref() is t:
             return info
         return None
+
+    def owns_any(self, tensors: list[torch.Tensor]) -> bool:
+        """Whether the model owns any of ``tensors`` (one rebuild at most, not one per miss)."""
+        by_id = self.by_id
+        for t in tensors:
+            info = by_id.get(id(t))
+            if info is not None and info.ref() is t:
+                return True
+        self.build()
+        by_id = self.by_id
+        return any((i := by_id.get(id(t))) is not None and i.ref() is t for t in tensors)
 
     def name_of(self, t: torch.Tensor) -> str | None:
         info = self.lookup(t)

@@ -7,6 +7,9 @@ ordering rule that applies to it.
 from .conditions import when
 from .errors import AmbiguousOrderError, UpdateError
 from .parameter import Parameter
+from .rules.constraints import clamp, constrain, max_norm, min_max_norm, non_neg, unit_norm
+from .rules.ema import ema
+from .rules.weight_decay import weight_decay
 from .schedule import Schedule, ScheduleEntry
 from .step import Attachment, Stepper, attach, step
 from .updates import assign, assign_add, assign_key, assign_sub, read
@@ -24,7 +27,15 @@ __all__ = [
     "assign_key",
     "assign_sub",
     "attach",
+    "clamp",
+    "constrain",
+    "ema",
+    "max_norm",
+    "min_max_norm",
+    "non_neg",
     "read",
     "step",
+    "unit_norm",
+    "weight_decay",
     "when",
 ]

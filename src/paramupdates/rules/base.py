@@ -50,7 +50,7 @@ class Rule:
     def __init__(self, origin: str) -> None:
         self.origin = origin
         self.seq = next(_SEQ)
-        self._owned: dict[int, tuple[int, bool]] = {}
+        self._owned: weakref.WeakKeyDictionary[ModelIndex, tuple[int, bool]] = weakref.WeakKeyDictionary()
 
     # --- ownership -------------------------------------------------------
     def tensors(self) -> list[torch.Tensor]:
@@ -63,13 +63,16 @@ class Rule:
 
     def applies_to(self, index: ModelIndex) -> bool:
         """Whether ``index``'s model owns any of :meth:`owner_tensors` (cached per index build)."""
-        key = id(index)
-        hit = self._owned.get(key)
+        hit = self._owned.get(index)
         if hit is not None and hit[0] == index.generation:
             return hit[1]
         owned = index.owns_any(self.owner_tensors())
-        self._owned[key] = (index.generation, owned)
+        self._owned[index] = (index.generation, owned)
         return owned
+
+    def remove(self) -> None:
+        """Undeclare this rule: no later step applies it."""
+        unregister(self)
 
     def alive(self) -> bool:
         return True

@@ -64,14 +64,14 @@ LINEAR_CASES = [
 
 
 @pytest.mark.parametrize("c,keras", LINEAR_CASES, ids=lambda x: repr(x) if isinstance(x, pu.rules.constraints.Constraint) else "")
-def test_linear_weight_matches_keras_dense_kernel(c, keras):
+def test_linear_weight_matches_keras_dense_kernel(c, keras, strategy):
     w = nn.Linear(6, 4).weight.detach() * 3  # torch (out, in); norms both above and below the bounds
     k = w.double().numpy().T  # Keras kernel (in, out)
     _close(c(w).T, keras(k))  # reference path
     _close(_foreach(c, [w])[0].T, keras(k))  # foreach path
 
 
-def test_conv_weight_matches_keras_conv_kernel_axis_012():
+def test_conv_weight_matches_keras_conv_kernel_axis_012(strategy):
     w = nn.Conv2d(3, 5, 3).weight.detach() * 4  # (out, in, kh, kw)
     k = w.double().numpy().transpose(2, 3, 1, 0)  # Keras (kh, kw, in, out)
     for c, keras in [
@@ -84,7 +84,7 @@ def test_conv_weight_matches_keras_conv_kernel_axis_012():
         _close(_foreach(c, [w])[0], expect)
 
 
-def test_bias_whole_vector_norm_with_dim_none_matches_keras_axis0():
+def test_bias_whole_vector_norm_with_dim_none_matches_keras_axis0(strategy):
     b = torch.randn(9) * 2
     _close(_foreach(pu.max_norm(1.0, dim=None), [b])[0], k_max_norm(b.double().numpy(), 1.0, axis=0))
     # dim=0 on a 1-D tensor: one "norm" per element, |b_i|
@@ -106,7 +106,14 @@ def test_clamp():
     assert torch.equal(_foreach(pu.clamp(-1, 1), [i])[0], i.clamp(-1, 1))
 
 
-def test_foreach_path_equals_reference_over_mixed_shapes_and_dtypes():
+@pytest.fixture(params=["per_tensor_norms", "segment_reduce"])
+def strategy(request, monkeypatch):
+    """Both row-norm strategies (CPU: per tensor; accelerators: one segment_reduce), checked on CPU."""
+    monkeypatch.setattr(pu.rules.constraints, "FORCE_SEGMENTS", request.param == "segment_reduce")
+    return request.param
+
+
+def test_foreach_path_equals_reference_over_mixed_shapes_and_dtypes(strategy):
     ts = [torch.randn(s, dtype=dt) * 2 for s, dt in [
         ((8, 3), torch.float32), ((5,), torch.float32), ((4, 3, 2, 2), torch.float32), ((7, 7), torch.float64),
         ((2, 9), torch.float32), ((), torch.float32), ((0, 3), torch.float32), ((3, 2, 5), torch.float64),

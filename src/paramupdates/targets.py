@@ -59,8 +59,12 @@ class ModelIndex:
                     for attr, t in table.items():
                         if t is not None and id(t) not in by_id:
                             by_id[id(t)] = TargetInfo(weakref.ref(t), prefix + attr, mref, attr, kind)
+        old = self.by_id
+        if by_id.keys() != old.keys() or any(
+            old[k].ref() is not v.ref() or old[k].name != v.name for k, v in by_id.items()
+        ):
+            self.generation += 1  # what the model owns changed: cached ownership answers are stale
         self.by_id = by_id
-        self.generation += 1
 
     def lookup(self, t: torch.Tensor) -> TargetInfo | None:
         """The info of ``t`` if the model owns it (rebuilding once on a miss)."""

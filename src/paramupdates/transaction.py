@@ -176,6 +176,9 @@ class Transaction:
         self._opt_saved: dict[int, tuple[torch.Tensor, dict | None]] | None = None
         self._rule_saved: list[tuple[Rule, Any]] = []
         self._dirty: set[int] = set()
+        # Written tensors not yet added to _dirty (None: the optimizer's parameters); added only
+        # when a phase has recorded entries to classify, so rules over many tensors cost nothing here.
+        self._dirty_pending: list[list[torch.Tensor] | None] = []
         self.rules: list[Rule] = []
         self.skipped = False
 
@@ -480,11 +483,13 @@ class Transaction:
                 self.protect(written)
                 with torch.no_grad():
                     rule.apply(ctx)
-                self._dirty.update(map(id, written))
+                self._dirty_pending.append(written)
                 self.stage_done(not rule.infallible)
         fast_dst: list[torch.Tensor] = []
         fast_src: list[torch.Tensor] = []
         slow: list[Entry] = []
+        if self.entries:
+            self._flush_dirty()
         for e in self.entries.values():
             phases = e.phases()
             if phase not in phases:
@@ -519,10 +524,18 @@ class Transaction:
         if self.optimizer is not None:
             self.protect_optimizer(all_params=closure is not None)
             out = self.optimizer.step() if closure is None else self.optimizer.step(closure)
-            self._dirty.update(self.opt_ids())
+            self.mark_optimizer_written()
             self.stage_done(True)
         self.done_phases.add(GRAD)
         return out
+
+    def mark_optimizer_written(self) -> None:
+        self._dirty_pending.append(None)
+
+    def _flush_dirty(self) -> None:
+        for ts in self._dirty_pending:
+            self._dirty.update(self.opt_ids() if ts is None else map(id, ts))
+        self._dirty_pending.clear()
 
     def finish(self) -> None:
         self.state = "closed"

@@ -73,10 +73,13 @@ class WeakList:
         return any(r() is not None for r in self._refs)
 
 
+_data_ptr = torch._C.TensorBase.data_ptr
+
+
 def storage_key(ts: list[torch.Tensor]) -> tuple[int, ...]:
     """Identity of the storage behind each tensor: changes when ``.data`` is replaced (``model.to()``)."""
-    with no_subclass():
-        return tuple([t.data_ptr() for t in ts])
+    with no_subclass():  # pu.Parameter: skip __torch_function__
+        return tuple(map(_data_ptr, ts))
 
 
 def where(t: torch.Tensor) -> str:

@@ -27,10 +27,15 @@ Math (``n`` the L2 norm along the reduced dims, ``eps = 1e-7`` as Keras'
 * a callable ``f``:           ``f(w)`` (validated: same shape and device, castable dtype)
 
 Each constraint has a readable reference path (``c(w)``, out of place, the
-Keras formula) and a foreach path (``c.apply_(tensors)``, in place): norms of
-all tensors of one device, dtype and rank in one ``segment_reduce`` over a
-``torch._chunk_cat`` of the group, the factors in one pass, one
-``torch._foreach_mul_`` to apply them.
+Keras formula) and a foreach path (``c.apply_(tensors, plan)``, in place),
+per device, dtype and rank: the norms, then the factors of the whole group in
+one pass over the concatenated norms, then one ``torch._foreach_mul_``.
+PyTorch has no foreach norm along a dim, so the norms are computed
+
+* on accelerators (launch bound): in one ``segment_reduce`` over a
+  ``torch._chunk_cat`` of the group;
+* on CPU (memory bound, where that copy costs more than it saves): with one
+  ``torch.linalg.vector_norm`` per tensor, the only per-tensor call.
 """
 
 from __future__ import annotations
@@ -148,10 +153,27 @@ class _Norm(Constraint):
         for idx, d, counts, lengths, nd in rows:
             # kept dim first (views: writes reach the tensors)
             vs = [ts[i] for i in idx] if d == 0 else [ts[i].movedim(d, 0) for i in idx]
-            flat = _flat(vs)
-            sums = torch.segment_reduce(flat.square_(), "sum", lengths=lengths, unsafe=True)
-            f = self.factor(sums.sqrt_())
-            torch._foreach_mul_(vs, list(f.view(-1, *([1] * (nd - 1))).split(counts)))
+            shape = (-1, *([1] * (nd - 1)))
+            if not use_segments(lengths.device):
+                # CPU: memory bound; one reading pass per tensor beats copying the group into one buffer
+                # (torch has no foreach norm over a dim; this is the one per-tensor call).
+                dims = tuple(range(1, nd))
+                n = torch.cat([torch.linalg.vector_norm(v, dim=dims).view(shape) for v in vs]) if dims else None
+                if n is None:
+                    n = torch.cat(torch._foreach_abs(vs)).view(shape)
+            else:
+                # accelerators: launch bound; the whole group in a handful of kernels
+                flat = _flat(vs)
+                n = torch.segment_reduce(flat.square_(), "sum", lengths=lengths, unsafe=True).sqrt_().view(shape)
+            torch._foreach_mul_(vs, list(self.factor(n).split(counts)))
+
+
+FORCE_SEGMENTS = False  # tests set it to check the accelerator strategy on CPU
+
+
+def use_segments(device: torch.device) -> bool:
+    """Row norms by one segment_reduce over the group (accelerators) or per tensor (CPU)."""
+    return FORCE_SEGMENTS or device.type != "cpu"
 
 
 def _flat(vs: list[torch.Tensor]) -> torch.Tensor:
@@ -313,6 +335,7 @@ class Constrain(Rule):
         self._tensors = WeakList([t for _, t in named])
         self._key: tuple | None = None
         self._plan: Any = None
+        self._live: list[torch.Tensor] = []
 
     def owner_tensors(self) -> list[torch.Tensor]:
         return self._tensors.live()
@@ -333,18 +356,19 @@ class Constrain(Rule):
                     self.constraint.validate(ctx.index.name_of(t) or name, t, self.origin)
                 self._plan = None if isinstance(self.constraint, CallableConstraint) else self.constraint.plan(ts)
             self._key = key
+        self._live = ts  # held for this commit only
 
     def apply(self, ctx: CommitContext) -> None:
         if isinstance(self.constraint, CallableConstraint):
             self._apply_callable(ctx)
             return
-        ts = self._tensors.live()
+        ts, self._live = self._live, []
         with no_subclass():
             self.constraint.apply_(ts, self._plan)
 
     def _apply_callable(self, ctx: CommitContext) -> None:
         # Compute and validate every new value first, then write: a failure writes nothing.
-        ts = self._tensors.live()
+        ts, self._live = self._live, []
         news = []
         with no_subclass():
             for t in ts:

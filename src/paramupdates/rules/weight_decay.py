@@ -21,6 +21,8 @@ learning rates, the param groups, or the set of parameters with gradients change
 
 from __future__ import annotations
 
+import itertools
+import operator
 import warnings
 import weakref
 from collections.abc import Callable
@@ -41,6 +43,11 @@ if TYPE_CHECKING:
 
 Exclude = Callable[[str, torch.Tensor], bool]
 _grad_of = torch._C.TensorBase.grad.__get__  # the C getter, mapped without a Python-level loop
+
+
+def _any_none(xs: list[Any]) -> bool:
+    """``None in xs`` by identity (``in`` would call ``Tensor.__eq__``)."""
+    return any(map(operator.is_, xs, itertools.repeat(None)))
 
 
 def skip_1d(name: str, tensor: torch.Tensor) -> bool:
@@ -92,9 +99,9 @@ class WeightDecay(Rule):
             return
         live = [r() for r in self._tensors._refs]
         with no_subclass():
-            grads = list(map(_grad_of, live)) if None not in live else [None if t is None else _grad_of(t) for t in live]
+            grads = list(map(_grad_of, live)) if not _any_none(live) else [None if t is None else _grad_of(t) for t in live]
         # the common case (every tensor alive with a gradient) without a per-tensor Python test
-        has_grad: tuple[bool, ...] | bool = True if None not in grads else tuple(g is not None for g in grads)
+        has_grad: tuple[bool, ...] | bool = True if not _any_none(grads) else tuple(g is not None for g in grads)
         groups = opt.param_groups
         lrs = tuple([float(g["lr"]) for g in groups]) if self.scale_by_lr else ()
         key = (id(opt), tuple([id(g["params"]) for g in groups]), tuple([len(g["params"]) for g in groups]), lrs, has_grad)

@@ -256,3 +256,16 @@ def test_moved_storage_is_revalidated():
         m(torch.randn(2, 4, dtype=torch.float64)).sum().backward()
     assert m.a.weight.dtype == torch.float64
     assert float(m.a.weight.detach().norm(dim=1).max()) <= 0.1 + 1e-9
+
+
+def test_constraint_on_a_pu_parameter_with_an_update_in_the_same_phase():
+    """The committed value is constrained; an after_grad update issued in the step then applies on top."""
+    m = nn.Module()
+    m.w = pu.Parameter(torch.randn(3, 4) * 3)
+    opt = torch.optim.SGD([m.w], lr=0.0)
+    pu.constrain(m.w, pu.max_norm(1.0))
+    w0 = m.w.detach().clone()
+    with pu.step(m, opt):
+        (m.w * 0).sum().backward()
+        m.w.assign_add(1.0, phase="after_grad")
+    torch.testing.assert_close(m.w.detach(), pu.max_norm(1.0)(w0) + 1.0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -16,6 +17,18 @@ Named = list[tuple[str, torch.Tensor]]
 
 no_subclass = torch._C.DisableTorchFunctionSubclass
 """Context in which a ``pu.Parameter`` is a plain tensor to foreach kernels (no overlay lookup)."""
+
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
+def has_subclass(ts: list[torch.Tensor]) -> bool:
+    """Whether any tensor has a ``__torch_function__`` subclass (``pu.Parameter``)."""
+    return any(type(t) not in _PLAIN for t in ts)
+
+
+def plain(flag: bool) -> Any:
+    """``no_subclass()`` when ``flag`` (it slows every op down a little, so only where needed)."""
+    return no_subclass() if flag else contextlib.nullcontext()
 
 
 def named_tensors(obj: Any, fn: str, *, params_only: bool = True) -> Named:
@@ -76,9 +89,12 @@ class WeakList:
 _data_ptr = torch._C.TensorBase.data_ptr
 
 
-def storage_key(ts: list[torch.Tensor]) -> tuple[int, ...]:
-    """Identity of the storage behind each tensor: changes when ``.data`` is replaced (``model.to()``)."""
-    with no_subclass():  # pu.Parameter: skip __torch_function__
+def storage_key(ts: list[torch.Tensor], sub: bool = True) -> tuple[int, ...]:
+    """Identity of the storage behind each tensor: changes when ``.data`` is replaced (``model.to()``).
+
+    ``sub``: some tensor may be a ``pu.Parameter`` (then skip its ``__torch_function__``).
+    """
+    with plain(sub):
         return tuple(map(_data_ptr, ts))
 
 

@@ -50,7 +50,7 @@ from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 from .._origin import call_site
 from ..errors import UpdateError
 from ..schedule import AFTER_GRAD
-from ._common import WeakList, named_tensors, no_subclass, refuse_inside_step, storage_key, where
+from ._common import WeakList, has_subclass, named_tensors, no_subclass, plain, refuse_inside_step, storage_key, where
 from .base import Rule, register
 
 if TYPE_CHECKING:
@@ -336,6 +336,7 @@ class Constrain(Rule):
         self._key: tuple | None = None
         self._plan: Any = None
         self._live: list[torch.Tensor] = []
+        self._sub = has_subclass([t for _, t in named])
 
     def owner_tensors(self) -> list[torch.Tensor]:
         return self._tensors.live()
@@ -348,7 +349,7 @@ class Constrain(Rule):
 
     def check(self, ctx: CommitContext) -> None:
         ts = self._tensors.live()
-        key = storage_key(ts)
+        key = storage_key(ts, self._sub)
         if key != self._key:
             # storage changed (model.to(), p.data = ...): validate again before anything is written
             with no_subclass():
@@ -363,7 +364,7 @@ class Constrain(Rule):
             self._apply_callable(ctx)
             return
         ts, self._live = self._live, []
-        with no_subclass():
+        with plain(self._sub):
             self.constraint.apply_(ts, self._plan)
 
     def _apply_callable(self, ctx: CommitContext) -> None:

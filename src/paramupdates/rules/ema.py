@@ -46,7 +46,7 @@ from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 from .._origin import call_site
 from ..errors import UpdateError
 from ..schedule import AFTER_STEP
-from ._common import no_subclass, refuse_inside_step, storage_key, where
+from ._common import has_subclass, no_subclass, plain, refuse_inside_step, storage_key, where
 from .base import Rule, register
 
 if TYPE_CHECKING:
@@ -92,6 +92,7 @@ class EMA(Rule):
         self._src = src  # strong: the rule ends with the model (alive()), not with its tensors
         self._dst = dst
         self._avg = avg
+        self._sub = has_subclass(src) or has_subclass(dst)
         self._key: tuple | None = None
         self._lerp: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
         self._copy: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
@@ -129,7 +130,7 @@ class EMA(Rule):
 
     def check(self, ctx: CommitContext) -> None:
         """Before any write: the pairs still match (a moved model or copy is an error, not a half-update)."""
-        key = storage_key(self._src) + storage_key(self._dst)
+        key = storage_key(self._src, self._sub) + storage_key(self._dst, self._sub)
         if key != self._key:
             self._build()
             self._key = key
@@ -157,7 +158,7 @@ class EMA(Rule):
 
     def apply(self, ctx: CommitContext) -> None:
         w = self._weight
-        with no_subclass():
+        with plain(self._sub):
             for d, s in self._lerp:
                 torch._foreach_lerp_(d, s, w)
             for d, s in self._copy:

@@ -35,7 +35,7 @@ from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 from .._origin import call_site
 from ..parameter import Parameter
 from ..schedule import BEFORE_GRAD
-from ._common import WeakList, named_tensors, no_subclass, refuse_inside_step
+from ._common import WeakList, has_subclass, named_tensors, plain, refuse_inside_step
 from .base import Rule, register
 
 if TYPE_CHECKING:
@@ -75,6 +75,7 @@ class WeightDecay(Rule):
         self._written: list[int] = []
         self._live: list[Any] = []
         self._written_ts: list[torch.Tensor] = []
+        self._sub = has_subclass([t for _, t, _ in named])
         self._warned: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
     def owner_tensors(self) -> list[torch.Tensor]:
@@ -98,7 +99,7 @@ class WeightDecay(Rule):
         if opt is None:  # pragma: no cover - collect_rules drops per-update rules without optimizer
             return
         live = [r() for r in self._tensors._refs]
-        with no_subclass():
+        with plain(self._sub):
             grads = list(map(_grad_of, live)) if not _any_none(live) else [None if t is None else _grad_of(t) for t in live]
         # the common case (every tensor alive with a gradient) without a per-tensor Python test
         has_grad: tuple[bool, ...] | bool = True if not _any_none(grads) else tuple(g is not None for g in grads)
@@ -158,7 +159,7 @@ class WeightDecay(Rule):
     # --- commit ------------------------------------------------------------------
     def apply(self, ctx: CommitContext) -> None:
         live = self._live
-        with no_subclass():
+        with plain(self._sub):
             for idx, factors in self._groups:
                 torch._foreach_mul_([live[i] for i in idx], factors)
         self._live = []

@@ -221,3 +221,36 @@ def test_bad_arguments():
     with pytest.raises(pu.UpdateError, match="step with pending updates"):
         with pu.step(m):
             pu.weight_decay(m, 0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
+def test_other_dtypes_match_handwritten_decay_bitwise(dtype):
+    """Equal to Tensor.mul_(1 - lr * rate), which AdamW's single-tensor path uses, in every dtype."""
+    m = nn.Linear(4, 4).to(dtype)
+    w0 = m.weight.detach().clone()
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    pu.weight_decay(m, 0.1)
+    _zero_grad_step(m, opt)
+    expect = w0.clone()
+    expect.mul_(1 - 0.5 * 0.1)
+    assert torch.equal(bits(m.weight), bits(expect))
+    assert not torch.equal(m.weight.detach(), w0)
+
+
+def test_where_pytorch_is_wrong_cpu_foreach_mul_rounds_the_scalar_in_bfloat16():
+    """CPU torch._foreach_mul_(ts, scalar) rounds the scalar to bfloat16 first; Tensor.mul_ computes in float32.
+
+    pu.weight_decay gives Tensor.mul_'s (and AdamW's) result.
+    """
+    w = torch.randn(1000).bfloat16()
+    by_mul, by_foreach = w.clone(), w.clone()
+    by_mul.mul_(1 - 1e-3)
+    torch._foreach_mul_([by_foreach], 1 - 1e-3)
+    assert torch.equal(by_mul, (w.float() * (1 - 1e-3)).bfloat16())  # float opmath
+    assert torch.equal(by_foreach, w)  # 1 - 1e-3 rounded to bfloat16 is 1.0: no decay at all
+    m = nn.Module()
+    m.w = nn.Parameter(w.clone().view(10, 100))
+    opt = torch.optim.SGD([m.w], lr=1.0)
+    pu.weight_decay(m, 1e-3)
+    _zero_grad_step(m, opt)
+    assert torch.equal(m.w.detach().view(-1), by_mul)

@@ -31,7 +31,7 @@ def plain(flag: bool) -> Any:
     return no_subclass() if flag else contextlib.nullcontext()
 
 
-def named_tensors(obj: Any, fn: str, *, params_only: bool = True) -> Named:
+def named_tensors(obj: Any, fn: str) -> Named:
     """``(name, tensor)`` pairs from a module, a tensor, or an iterable of tensors / pairs.
 
     A module gives its qualified parameter names; an iterable of bare tensors

@@ -423,7 +423,13 @@ class Transaction:
         self._rule_saved = [(r, r.save()) for r in self.rules]
 
     def rollback(self) -> None:
-        """Restore every snapshotted tensor, the optimizer state and the rules' counters."""
+        """Restore every snapshotted tensor, the optimizer state and the rules' counters.
+
+        The overlay goes too: under ``pu.attach`` it is shown again inside
+        ``optimizer.step()`` (``reinstall_overlay``), and an optimizer that
+        raises there must not leave pending values visible.
+        """
+        self.remove_overlay()
         with torch.no_grad():
             for ts, flat in self._snapshots:
                 parts = flat.split([t.numel() for t in ts])

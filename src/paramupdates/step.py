@@ -187,14 +187,15 @@ class Stepper(_Owner):
         self._finish(tx, closure if closure is not None else self.closure)
 
     def _open(self) -> None:
+        site = call_site(4)
         if _state.explicit:
             other = _state.explicit[-1]
             raise UpdateError(
-                f"{other.label}: a step is already in progress (opened for "
-                f"{type(other.index.model).__name__}); pu.step blocks do not nest. "
-                "Finish the outer step first, or use one step for the whole model."
+                f"pu.step at {site} for {type(self.model).__name__}: a step is already in progress "
+                f"({other.label}, for {type(other.index.model).__name__}); pu.step blocks do not nest. "
+                "Finish the outer step first, or open one step on a module that contains both models."
             )
-        tx = self._new_tx(f"pu.step at {call_site(4)}")
+        tx = self._new_tx(f"pu.step at {site}")
         self._tx = tx
         _state.explicit.append(tx)
 

@@ -58,7 +58,7 @@ from .schedule import (
     Schedule,
     ScheduleEntry,
 )
-from .targets import ModelIndex, TargetInfo, describe
+from .targets import ModelIndex, TargetInfo, describe, owner_anywhere
 
 if TYPE_CHECKING:
     pass
@@ -513,13 +513,23 @@ def route(t: torch.Tensor, origin: str, op: str) -> tuple[Transaction | None, En
             return tx, e
     if _state.explicit:
         tx = _state.explicit[-1]
-        model = tx.index.model
+        mine = type(tx.index.model).__name__
+        other = owner_anywhere(t)
+        if other is not None:
+            name, model = other
+            raise UpdateError(
+                f"pu.{op} on {name!r} of {model} at {origin}: the target belongs to a {model}, but the "
+                f"step in progress is for a {mine}, so this update would have no commit. Open the step "
+                f"on a module that contains both (e.g. nn.ModuleDict({{'a': a, 'b': b}})), or issue the "
+                "update outside the step."
+            )
         raise UpdateError(
             f"pu.{op} on {describe(t)} at {origin}: the target is not a parameter or buffer of the model "
-            f"of the step in progress ({type(model).__name__}). Register it on that model "
+            f"of the step in progress ({mine}). Register it on that model "
             "(as a pu.Parameter, an nn.Parameter or a buffer), or issue the update outside the step."
         )
     return None, None
+
 
 
 def pending_value(t: torch.Tensor) -> torch.Tensor | None:

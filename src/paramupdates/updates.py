@@ -29,7 +29,7 @@ from . import conditions
 from ._ops import apply_inplace, check_operand
 from ._origin import call_site
 from .errors import UpdateError
-from .targets import describe
+from .targets import describe, owner_anywhere
 from .transaction import _plain, pending_value, route
 
 
@@ -48,8 +48,16 @@ def _issue(op: str, target: torch.Tensor, operand: Any, key: Any, phase: str | N
         tx.record(entry, op, operand, key, phase, sync, origin)
         return
     # Outside a step: eager, in place, under no_grad (rule 8).
-    name = describe(target)
-    check_operand(op, target, operand, key, name, origin)
+    try:
+        check_operand(op, target, operand, key, describe(target), origin)
+    except UpdateError:
+        # Name the target in the error if some model paramupdates has indexed owns it
+        # (looked up only on this error path: an eager update stays cheap).
+        owner = owner_anywhere(target)
+        if owner is None:
+            raise
+        check_operand(op, target, operand, key, owner[0], origin)
+        raise
     apply_inplace(op, target, operand, key, cond if isinstance(cond, torch.Tensor) else None)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 
 import torch
+
 from fault_models import Harness, data
 
 

@@ -98,7 +98,7 @@ def step_segments(draw: Any) -> tuple:
     return (
         "step",
         [draw(bodies()) for _ in range(n)],
-        draw(st.booleans()),
+        draw(st.sampled_from([True, False])),  # an optimizer step (the more interesting case) first
         [(draw(_GRAD), draw(_GRAD)) for _ in range(n)],
     )
 
@@ -107,7 +107,7 @@ def step_segments(draw: Any) -> tuple:
 def programs(draw: Any, eager: bool = True) -> list:
     """A program: steps (and, if ``eager``, update blocks outside any step)."""
     seg = st.one_of(step_segments(), st.tuples(st.just("eager"), bodies())) if eager else step_segments()
-    return draw(st.lists(seg, min_size=1, max_size=3))
+    return draw(st.lists(seg, min_size=2, max_size=4))
 
 
 # --------------------------------------------------------------------------

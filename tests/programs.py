@@ -144,6 +144,7 @@ class PuRunner:
         self.opt = torch.optim.SGD([self.m.w, self.m.tp], lr=LR)
         self.driver = driver
         self.reads: list[np.ndarray] = []
+        self.schedules: list[list[tuple[str, str, str, str]]] = []
         self.fault_at = fault_at
         self.executed = 0
         self.att = pu.attach(self.m, self.opt) if driver == "attach" else None
@@ -179,20 +180,25 @@ class PuRunner:
         try:
             if self.driver == "attach":
                 body()
+                owner = self.att
                 if optimizer:
                     self.opt.step()
+                elif self.att.tx is None:
+                    owner = pu.Stepper(self.m)  # flush() with nothing pending commits nothing: empty plan
                 else:
                     self.att.flush()
             elif self.driver == "run":
-                (self.stepper if optimizer else self.bare).run(body)
+                owner = self.stepper if optimizer else self.bare
+                owner.run(body)
             else:
-                with pu.step(self.m, self.opt if optimizer else None):
+                with pu.step(self.m, self.opt if optimizer else None) as owner:
                     body()
         except Fault:
             if self.att is not None:
                 self.att.discard()
             self.opt.zero_grad()
             raise
+        self.schedules.append([(r.phase, r.target, r.op, r.condition) for r in owner.schedule()])
         if optimizer:
             self.opt.zero_grad()
 

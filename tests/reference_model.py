@@ -41,7 +41,8 @@ The rules interpreted (numbers as in DESIGN.md)
     4  at commit the phases run in the fixed order before_grad, grad (SGD),
        after_grad, auxiliary (phase None), after_step; inside a phase the
        records fold in issue order over the value the target has *then*
-       (an operand is the value computed at issue time);
+       (an operand is the value computed at issue time); the step's plan
+       (``schedule()``) lists them in that order;
     6  when(False) records nothing; when(tensor) records
        new = where(pred, new, old); nested whens AND together;
     8  outside a step an update applies at once.
@@ -115,6 +116,8 @@ class Reference:
     grads: dict[str, np.ndarray | None] = field(default_factory=lambda: {n: None for n in TRAINABLE})
     reads: list[np.ndarray] = field(default_factory=list)
     steps: int = 0
+    # per committed step, the plan: (phase, target, op, condition) in commit order
+    schedules: list[list[tuple[str, str, str, str]]] = field(default_factory=list)
 
     # --- the program ------------------------------------------------------
     def run(self, program: list) -> None:
@@ -136,9 +139,11 @@ class Reference:
 
     def commit(self, records: list[Record], optimizer: bool) -> None:
         """Rule 4: the phases in their fixed order; records in issue order inside each."""
+        plan = []
         for phase in PHASE_ORDER:
             if phase == "grad":
                 if optimizer:
+                    plan.append(("grad", "<optimizer parameters>", "SGD.step", "-"))
                     for n in TRAINABLE:
                         g = self.grads[n]
                         if g is not None:
@@ -148,6 +153,8 @@ class Reference:
             for r in records:
                 if r.phase == phase:
                     self.state[r.target] = apply_op(r.op, self.state[r.target], r.operand, r.key, r.cond)
+                    plan.append((phase, r.target, r.op, "-" if r.cond is None else "when(tensor)"))
+        self.schedules.append(plan)
         self.steps += 1
 
     def _accumulate(self, name: str, g: Any) -> None:

@@ -5,7 +5,8 @@ assign_key, reads in between, ``when`` with bool and tensor predicates,
 nesting, Python loops, all phases, 1-3 micro-batches, with and without an
 optimizer step, eager blocks outside steps) runs through paramupdates and
 through ``reference_model.Reference``; both must agree **bitwise** on every
-read and on the final state (values are small dyadic numbers, so float32
+read, on each step's schedule() (phase, target, op, condition, in commit
+order) and on the final state (values are small dyadic numbers, so float32
 arithmetic on them is exact and the comparison is not a tolerance).
 
 520 programs per run (plus 120 with injected faults in test_faults.py), derandomized so CI is deterministic.
@@ -38,6 +39,7 @@ def check(program: list, driver: str) -> None:
     assert sorted(state) == sorted(ref.state)
     for k, want in ref.state.items():
         assert _same(state[k], want), f"final {k}: paramupdates {state[k]!r}, reference {want!r}"
+    assert run.schedules == ref.schedules  # schedule(): rule 4's order, step by step
     for n in ("w", "tp"):  # gradients accumulate across micro-batches and optimizer-less steps
         g = getattr(run.m, n).grad
         assert (g is None) == (ref.grads[n] is None), n

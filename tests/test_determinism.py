@@ -12,17 +12,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _run(hashseed: str) -> str:
+def _start(hashseed: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONHASHSEED": hashseed}
-    out = subprocess.run(
-        [sys.executable, "tests/determinism_script.py"], cwd=ROOT, env=env, capture_output=True, text=True,
-        timeout=120, check=True,
+    return subprocess.Popen(
+        [sys.executable, "tests/determinism_script.py"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
     )
-    return out.stdout
+
+
+def _output(p: subprocess.Popen) -> str:
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    return out
 
 
 def test_two_processes_same_state_and_schedule():
-    a, b = _run("1"), _run("2")
+    procs = [_start("1"), _start("2")]  # two processes at once
+    a, b = (_output(p) for p in procs)
     assert a == b
     # the output is not vacuous: both drivers, a hash, counters, and schedules with file:line origins
     for driver in ("step", "attach"):

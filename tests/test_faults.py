@@ -215,3 +215,20 @@ def test_attach_subclassed_optimizer_commits_once():
     m(data(0)).backward()
     opt.step()
     assert rule.calls == 1 and int(m.count) == 1
+
+
+def test_without_snapshots_the_same_fault_does_change_state():
+    """The fault checks have teeth: with atomic=False (no snapshots at commit) an optimizer
+    that fails after writing leaves its writes behind, and the comparison catches it."""
+    m = Net()
+    opt = Flaky(m.parameters(), lr=0.1)
+    with pu.step(m, opt):
+        m(data(0)).backward()
+    opt.zero_grad()
+    before = snapshot(m, opt)
+    opt.fail = "after"
+    with pytest.raises(Injected):
+        with pu.Stepper(m, opt, atomic=False):
+            m(data(1)).backward()
+    with pytest.raises(AssertionError):
+        assert_same(before, snapshot(m, opt))

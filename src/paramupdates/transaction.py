@@ -523,10 +523,16 @@ def route(t: torch.Tensor, origin: str, op: str) -> tuple[Transaction | None, En
                 f"on a module that contains both (e.g. nn.ModuleDict({{'a': a, 'b': b}})), or issue the "
                 "update outside the step."
             )
+        computed = (
+            " It is a computed tensor (it has a grad_fn), e.g. the output of a parametrization "
+            "(torch.nn.utils.parametrize) or of an op: update the stored tensor it is computed from."
+            if t.grad_fn is not None
+            else ""
+        )
         raise UpdateError(
             f"pu.{op} on {describe(t)} at {origin}: the target is not a parameter or buffer of the model "
             f"of the step in progress ({mine}). Register it on that model "
-            "(as a pu.Parameter, an nn.Parameter or a buffer), or issue the update outside the step."
+            f"(as a pu.Parameter, an nn.Parameter or a buffer), or issue the update outside the step.{computed}"
         )
     return None, None
 

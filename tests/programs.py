@@ -202,7 +202,7 @@ class PuRunner:
         if optimizer:
             self.opt.zero_grad()
 
-    def block(self, body: list, depth: int = 0) -> None:
+    def block(self, body: list) -> None:
         for s in body:
             self.stmt(s)
 

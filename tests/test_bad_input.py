@@ -8,6 +8,7 @@ the call site (file:line of the offending line) and the fix, and changes nothing
 | wrong device (meta)                              | UpdateError           | test_operand_errors[device] |
 | bad key / not a tensor or number                 | UpdateError           | test_operand_errors[key,type] |
 | a tensor that belongs to no module               | UpdateError           | test_tensor_of_no_module |
+| a computed tensor (an op's output) as a target    | UpdateError           | test_computed_tensor_as_target |
 | an update issued during backward (hook)          | UpdateError           | test_update_from_backward_hook |
 | a parameter of a model not registered with step  | UpdateError           | test_parameter_of_another_model |
 | when() with a non-scalar / non-bool tensor       | ValueError            | test_when_non_scalar |
@@ -97,7 +98,19 @@ def test_tensor_of_no_module():
             line = _line()
             pu.assign(stray, torch.ones(2))
     check_message(str(ei.value), "<unnamed Tensor shape=(2,)", line, "Register it on that model")
+    assert "computed tensor" not in str(ei.value)
     assert torch.equal(stray, torch.zeros(2))
+
+
+def test_computed_tensor_as_target():
+    m = Counter()
+    with pytest.raises(pu.UpdateError) as ei:
+        with pu.step(m):
+            w = m.lin.weight * 2  # a value computed from a parameter, not a stored tensor
+            line = _line()
+            pu.assign(w, torch.zeros(2, 3))
+    check_message(str(ei.value), "<unnamed Tensor shape=(2, 3)", line, "computed tensor",
+                  "update the stored tensor it is computed from")
 
 
 def test_parameter_of_another_model():

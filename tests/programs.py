@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import paramupdates as pu
+from paramupdates.rules.base import Rule, register
 from reference_model import LR, TRAINABLE, as_key, initial_state
 
 VEC = ("a", "buf", "w", "tp")  # float32 (3,) targets
@@ -110,6 +111,24 @@ def programs(draw: Any, eager: bool = True) -> list:
     return draw(st.lists(seg, min_size=2, max_size=4))
 
 
+def rule_specs() -> st.SearchStrategy:
+    """Declared rules: ("rule", phase, target, mul, src, c, add) on float targets."""
+    return st.tuples(
+        st.just("rule"), st.sampled_from(("before_grad", "after_grad", "auxiliary", "after_step")),
+        st.sampled_from(VEC), st.sampled_from([1, -1, 2]), st.sampled_from(VEC), st.sampled_from([0, 1, -1]),
+        st.integers(-2, 2),
+    )
+
+
+@st.composite
+def programs_with_rules(draw: Any) -> tuple[list, list]:
+    """(rules, program): every step has an optimizer step (rules run once per optimizer update)."""
+    rules = draw(st.lists(rule_specs(), min_size=1, max_size=4))
+    prog = draw(programs())
+    prog = [s if s[0] == "eager" else (s[0], s[1], True, s[3]) for s in prog]
+    return rules, prog
+
+
 # --------------------------------------------------------------------------
 # the paramupdates side
 # --------------------------------------------------------------------------
@@ -126,6 +145,24 @@ class Model(nn.Module):
         self.tp = pu.Parameter(torch.from_numpy(s["tp"].copy()))
 
 
+class ProgRule(Rule):
+    """A declared rule of the language: ``target <- target * mul + src * c + add`` at commit."""
+
+    kind = "prog_rule"
+
+    def __init__(self, m: nn.Module, spec: tuple) -> None:
+        super().__init__("programs.py")
+        _, self.phase, target, self.mul, src, self.c, self.add = spec
+        self.t, self.src = getattr(m, target), getattr(m, src)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.t]
+
+    def apply(self, ctx: Any) -> None:
+        with torch._C.DisableTorchFunctionSubclass():
+            self.t.copy_(self.t * self.mul + self.src * self.c + self.add)
+
+
 class Fault(Exception):
     """Raised by the runner at an injected fault point."""
 
@@ -139,8 +176,10 @@ class PuRunner:
     ``fault_at``: raise :class:`Fault` before the n-th executed statement.
     """
 
-    def __init__(self, driver: str = "step", fault_at: int | None = None) -> None:
+    def __init__(self, driver: str = "step", fault_at: int | None = None, rules: list | None = None) -> None:
         self.m = Model()
+        for spec in rules or []:
+            register(ProgRule(self.m, spec))
         self.opt = torch.optim.SGD([self.m.w, self.m.tp], lr=LR)
         self.driver = driver
         self.reads: list[np.ndarray] = []

@@ -29,6 +29,8 @@ The language
                  ("read", name)
                  ("when", predicate, [statement...])
                  ("loop", n, [statement...])
+    rule         ("rule", phase, target, mul, src, c, add)      declared once, applied at
+                 each commit in its phase: target <- target * mul + src * c + add
     segment      ("eager", [statement...])                     outside any step
                  ("step", [[statement...] per micro-batch], optimizer: bool,
                   [(grad_w, grad_tp) per micro-batch])
@@ -40,6 +42,8 @@ The rules interpreted (numbers as in DESIGN.md)
        until the step ends;
     4  at commit the phases run in the fixed order before_grad, grad (SGD),
        after_grad, auxiliary (phase None), after_step; inside a phase the
+       declared rules run first, in declaration order, once per commit (not
+       per micro-batch), on the values of that moment; then the
        records fold in issue order over the value the target has *then*
        (an operand is the value computed at issue time); the step's plan
        (``schedule()``) lists them in that order;
@@ -118,6 +122,7 @@ class Reference:
     steps: int = 0
     # per committed step, the plan: (phase, target, op, condition) in commit order
     schedules: list[list[tuple[str, str, str, str]]] = field(default_factory=list)
+    rules: list[tuple] = field(default_factory=list)
 
     # --- the program ------------------------------------------------------
     def run(self, program: list) -> None:
@@ -150,6 +155,11 @@ class Reference:
                             self.state[n] = (self.state[n] - np.float32(LR) * g).astype(np.float32)
                         self.grads[n] = None  # zero_grad(set_to_none=True)
                 continue
+            for _, rphase, target, mul, src, c, add in self.rules:
+                if rphase == phase:
+                    f = np.float32
+                    self.state[target] = (self.state[target] * f(mul) + self.state[src] * f(c) + f(add)).astype(f)
+                    plan.append((phase, target, "prog_rule", "-"))
             for r in records:
                 if r.phase == phase:
                     self.state[r.target] = apply_op(r.op, self.state[r.target], r.operand, r.key, r.cond)

@@ -232,8 +232,6 @@ class _NoInverse(nn.Module):
         return w.clamp(min=0)
 
 
-@pytest.mark.xfail(strict=True, reason="rule 10 (updates through right_inverse) lands with issue 4 "
-                   "(integrations/parametrize.py); remove this marker when it is merged")
 def test_parametrization_without_right_inverse():
     m = nn.Sequential(nn.Linear(3, 2))
     parametrize.register_parametrization(m[0], "weight", _NoInverse())

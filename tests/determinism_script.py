@@ -28,7 +28,7 @@ def digest(items: list) -> str:
 
 def main() -> None:
     for driver in ("step", "attach"):
-        h = Harness(driver, on_nonfinite="skip")
+        h = Harness(driver, on_nonfinite="skip", bn=True)
         for i in range(6):
             h.m.fault = "nonfinite" if i == 2 else None
             h.step(data(i))

@@ -124,9 +124,12 @@ class Flaky(torch.optim.AdamW):
 class Net(nn.Module):
     """Auxiliary updates, phased updates of trainable parameters, conditions, a counter."""
 
-    def __init__(self) -> None:
+    def __init__(self, bn: bool = False) -> None:
         super().__init__()
         self.lin = nn.Linear(4, 3)
+        # running statistics and num_batches_tracked through assign (optional: torch.batch_norm
+        # is slow on a loaded 2-core machine, so the long fault matrix runs without it)
+        self.bn = pu.nn.BatchNorm1d(3) if bn else nn.Identity()
         self.scale = pu.Parameter(torch.ones(3), auxiliary=True)
         self.register_buffer("count", torch.zeros((), dtype=torch.long))
         self.register_buffer("acc", torch.zeros(3))
@@ -136,7 +139,7 @@ class Net(nn.Module):
     def forward(self, x):
         if self.fault == "user_begin":
             raise Injected("user begin")
-        y = self.lin(x)
+        y = self.bn(self.lin(x))
         with pu.when(self.training):
             pu.assign_add(self.count, 1)
             pu.assign_add(self.acc, y.detach().mean(0))
@@ -164,9 +167,9 @@ def data(i: int) -> torch.Tensor:
 
 
 class Harness:
-    def __init__(self, driver: str, *, seed: int = 0, on_nonfinite: str = "raise") -> None:
+    def __init__(self, driver: str, *, seed: int = 0, on_nonfinite: str = "raise", bn: bool = False) -> None:
         torch.manual_seed(seed)
-        self.m = Net()
+        self.m = Net(bn)
         self.opt = Flaky(self.m.parameters(), lr=0.05, weight_decay=0.01)
         self.rules = [register(Tally(self.m.tally, ph)) for ph in ("before_grad", "after_grad", "auxiliary")]
         self.shadow = register(Shadow(self.m))

@@ -217,6 +217,26 @@ def test_attach_subclassed_optimizer_commits_once():
     assert rule.calls == 1 and int(m.count) == 1
 
 
+def test_fault_with_batchnorm_counters():
+    """pu.nn.BatchNorm1d's running statistics and num_batches_tracked are restored too."""
+    for site in ("rule:after_step", "optimizer:after", "nonfinite"):
+        h = Harness("step", bn=True)
+        try:
+            h.step(data(0))
+            before = h.everything()
+            assert ("bn.num_batches_tracked" in [k for k, _ in before])
+            h.arm(site)
+            with pytest.raises((Injected, pu.UpdateError)):
+                h.step(data(1))
+            h.arm(None)
+            h.opt.zero_grad()
+            assert_same(before, h.everything())
+            h.step(data(1))
+            assert int(h.m.bn.num_batches_tracked) == 2
+        finally:
+            h.close()
+
+
 def test_without_snapshots_the_same_fault_does_change_state():
     """The fault checks have teeth: with atomic=False (no snapshots at commit) an optimizer
     that fails after writing leaves its writes behind, and the comparison catches it."""

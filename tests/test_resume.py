@@ -1,6 +1,6 @@
 """Save and resume (rule 11): torch.save of model + optimizer + stepper state mid-training,
 loaded into fresh objects, continues to a final state bitwise equal to an uninterrupted run
-(CPU), including the rules' state (an EMA-like shadow copy, call counters), the step
+(CPU), including pu.nn.BatchNorm1d's running statistics and num_batches_tracked, the rules' state (an EMA-like shadow copy, call counters), the step
 counters and the skipped-step count."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def _train(h: Harness, lo: int, hi: int) -> None:
 
 @pytest.mark.parametrize("driver", ["step", "attach"])
 def test_resume_is_bitwise_equal_to_uninterrupted(driver):
-    full = Harness(driver, on_nonfinite="skip")
+    full = Harness(driver, on_nonfinite="skip", bn=True)
     try:
         _train(full, 0, N)
         want = full.everything()
@@ -35,7 +35,7 @@ def test_resume_is_bitwise_equal_to_uninterrupted(driver):
         full.close()
     assert ("steps", N - len(NONFINITE)) in want and ("skipped", len(NONFINITE)) in want
 
-    first = Harness(driver, on_nonfinite="skip")
+    first = Harness(driver, on_nonfinite="skip", bn=True)
     try:
         _train(first, 0, CUT)
         buf = io.BytesIO()
@@ -44,7 +44,7 @@ def test_resume_is_bitwise_equal_to_uninterrupted(driver):
     finally:
         first.close()
 
-    fresh = Harness(driver, seed=123, on_nonfinite="skip")  # different init: everything must come from the file
+    fresh = Harness(driver, seed=123, on_nonfinite="skip", bn=True)  # different init: everything must come from the file
     try:
         buf.seek(0)
         saved = torch.load(buf, weights_only=True)

@@ -167,9 +167,12 @@ def data(i: int) -> torch.Tensor:
 
 
 class Harness:
-    def __init__(self, driver: str, *, seed: int = 0, on_nonfinite: str = "raise", bn: bool = False) -> None:
+    def __init__(
+        self, driver: str, *, seed: int = 0, on_nonfinite: str = "raise", bn: bool = False, ema: bool = False
+    ) -> None:
         torch.manual_seed(seed)
         self.m = Net(bn)
+        self.averaged = pu.ema(self.m, 0.9) if ema else None  # the declared EMA rule (issue 3)
         self.opt = Flaky(self.m.parameters(), lr=0.05, weight_decay=0.01)
         self.rules = [register(Tally(self.m.tally, ph)) for ph in ("before_grad", "after_grad", "auxiliary")]
         self.shadow = register(Shadow(self.m))
@@ -220,8 +223,22 @@ class Harness:
                            if torch.is_tensor(t))
                 if not isinstance(v, list):
                     out.append((f"rule{i}.{k}", v if not torch.is_tensor(v) else "tensor"))
+        if self.averaged is not None:
+            out += [(f"ema.{k}", v) for k, v in snapshot(self.averaged)]
         sd = self.owner.state_dict()
         out += [("steps", sd["steps"]), ("skipped", sd["skipped_steps"]), ("n_rules", len(sd["rules"]))]
+        _flatten("pu", sd["rules"], out)  # every rule's saved state (EMA counters included)
         return out
+
+
+def _flatten(prefix: str, obj: object, out: list) -> None:
+    if isinstance(obj, dict):
+        for k in sorted(obj, key=str):
+            _flatten(f"{prefix}.{k}", obj[k], out)
+    elif isinstance(obj, list | tuple):
+        for i, v in enumerate(obj):
+            _flatten(f"{prefix}.{i}", v, out)
+    else:
+        out.append((prefix, obj.detach().clone() if torch.is_tensor(obj) else obj))
 
 

@@ -92,8 +92,8 @@ def _clean(driver: str) -> list:
         h.close()
 
 
-def _scenario(rng: random.Random, driver: str, clean: list, site: str) -> None:
-    h = Harness(driver)
+def _scenario(rng: random.Random, driver: str, clean: list, site: str, ema: bool = False) -> None:
+    h = Harness(driver, ema=ema)
     try:
         faults = {rng.randrange(N_STEPS): site, rng.randrange(N_STEPS): rng.choice(SITES)}
         for i in range(N_STEPS):
@@ -130,6 +130,22 @@ def test_fault_matrix():
                 _scenario(rng, driver, clean, site)
             except AssertionError as e:
                 raise AssertionError(f"driver={driver} scenario {j} site={site}: {e}") from e
+
+
+@pytest.mark.skipif(not hasattr(pu, "ema"), reason="pu.ema lands with issue 3")
+def test_fault_matrix_with_ema():
+    """The same matrix with the declared pu.ema: its averaged copy and counters are restored."""
+    rng = random.Random(11)
+    for driver in ("step", "attach"):
+        h = Harness(driver, ema=True)
+        try:
+            for i in range(N_STEPS):
+                h.step(data(i))
+            clean = h.everything()
+        finally:
+            h.close()
+        for j in range(len(SITES)):
+            _scenario(rng, driver, clean, SITES[j], ema=True)
 
 
 def test_fault_sites_really_fire():

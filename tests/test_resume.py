@@ -10,6 +10,7 @@ import io
 import pytest
 import torch
 
+import paramupdates as pu
 from fault_models import Harness, data
 
 from conftest import assert_same
@@ -25,9 +26,14 @@ def _train(h: Harness, lo: int, hi: int) -> None:
     h.m.fault = None
 
 
+EMA = pytest.param(True, marks=pytest.mark.skipif(not hasattr(pu, "ema"), reason="pu.ema lands with issue 3"),
+                   id="ema")
+
+
+@pytest.mark.parametrize("ema", [False, EMA])
 @pytest.mark.parametrize("driver", ["step", "attach"])
-def test_resume_is_bitwise_equal_to_uninterrupted(driver):
-    full = Harness(driver, on_nonfinite="skip", bn=True)
+def test_resume_is_bitwise_equal_to_uninterrupted(driver, ema):
+    full = Harness(driver, on_nonfinite="skip", bn=True, ema=ema)
     try:
         _train(full, 0, N)
         want = full.everything()
@@ -35,7 +41,7 @@ def test_resume_is_bitwise_equal_to_uninterrupted(driver):
         full.close()
     assert ("steps", N - len(NONFINITE)) in want and ("skipped", len(NONFINITE)) in want
 
-    first = Harness(driver, on_nonfinite="skip", bn=True)
+    first = Harness(driver, on_nonfinite="skip", bn=True, ema=ema)
     try:
         _train(first, 0, CUT)
         buf = io.BytesIO()
@@ -44,7 +50,7 @@ def test_resume_is_bitwise_equal_to_uninterrupted(driver):
     finally:
         first.close()
 
-    fresh = Harness(driver, seed=123, on_nonfinite="skip", bn=True)  # different init: everything must come from the file
+    fresh = Harness(driver, seed=123, on_nonfinite="skip", bn=True, ema=ema)  # different init: everything must come from the file
     try:
         buf.seek(0)
         saved = torch.load(buf, weights_only=True)

@@ -310,12 +310,16 @@ class Attachment(_Owner):
         self._calls = 0
         self._nested = 0
         self._orig_step = optimizer.step
+        self._prev_step_attr = optimizer.__dict__.get("step")  # an instance wrapper already there
         guarded = self._guarded_step
 
         @functools.wraps(type(optimizer).step)
         def step(*args: Any, **kwargs: Any) -> Any:
             return guarded(*args, **kwargs)
 
+        # keep the marks of an instance wrapper already there (an LR scheduler's
+        # _wrapped_by_lr_sched), so that the scheduler does not warn
+        step.__dict__.update(getattr(self._orig_step, "__dict__", {}))
         self._guard = step
         optimizer.step = self._guard  # type: ignore[method-assign]
         _state.attachments.append(self)
@@ -472,8 +476,12 @@ class Attachment(_Owner):
         self._abort()
         self._pre.remove()
         self._post.remove()
-        if self.optimizer.__dict__.get("step") is self._guard:  # type: ignore[union-attr]
-            del self.optimizer.__dict__["step"]  # type: ignore[union-attr]
+        opt_dict = self.optimizer.__dict__  # type: ignore[union-attr]
+        if opt_dict.get("step") is self._guard:
+            if self._prev_step_attr is None:
+                del opt_dict["step"]
+            else:
+                opt_dict["step"] = self._prev_step_attr
         if self in _state.attachments:
             _state.attachments.remove(self)
 

@@ -268,3 +268,26 @@ def test_without_snapshots_the_same_fault_does_change_state():
             m(data(1)).backward()
     with pytest.raises(AssertionError):
         assert_same(before, snapshot(m, opt))
+
+
+def test_attach_after_lr_scheduler_keeps_its_step_tracking():
+    """attach wraps optimizer.step on the instance; an LR scheduler made before it still sees
+    its own wrapper's mark (no "optimizer.step() has been overridden" warning)."""
+    import warnings
+
+    m = Net()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    att = pu.attach(m, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m(data(0)).backward()
+        opt.step()
+        sched.step()
+    assert att.steps == 1 and opt.param_groups[0]["lr"] == 0.05
+    att.detach()  # gives the scheduler's wrapper back
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
+        sched.step()
+    assert "_wrapped_by_lr_sched" in opt.step.__dict__

@@ -153,8 +153,6 @@ def scen_rules(rank, world):
 
 def scen_declared_rules(rank, world):
     """pu.weight_decay, pu.constrain(max_norm) and pu.ema under DDP with synced stats: ranks bitwise equal."""
-    if not hasattr(pu, "ema"):
-        return {"skip": "pu.weight_decay/constrain/ema (the rules branch) are not merged into this branch yet"}
     torch.manual_seed(0)
     net = Net()
     pu.weight_decay(net, 0.05)
@@ -541,8 +539,6 @@ def test_rules_give_identical_ranks(results):
 def test_declared_rules_of_pu_give_identical_ranks(results):
     """The library's rules (weight decay, max-norm constraint, EMA) under DDP: ranks bitwise equal, EMA too."""
     r0, r1 = ranks(results, "declared_rules")
-    if "skip" in r0:
-        pytest.skip(r0["skip"])
     assert same(r0["state"], r1["state"]) and same(r0["ema"], r1["ema"])
     rules = [(phase, op) for phase, op in r0["rows"] if not op.startswith(("assign", "SGD"))]
     assert [phase for phase, _ in rules] == ["before_grad", "after_grad", "after_step"]

@@ -44,6 +44,8 @@ def _sub(a: Any) -> Any:
     return a
 
 
+# A function of ``func`` alone: dynamo evaluates it once at trace time.
+@torch._dynamo.assume_constant_result
 def _substitutes(func: Any) -> bool:
     name = getattr(func, "__name__", "")
     if name in ("__get__", "__set__", "__delete__"):

@@ -159,6 +159,7 @@ class Transaction:
         self.label = label
         self.entries: dict[int, Entry] = {}
         self.aliases: dict[int, Entry] = {}
+        self._aliases_stale = False  # set when a compiled graph installed pending values
         self.order: list[tuple[Entry, Record]] = []
         self.state = "open"  # open -> committing -> closed
         self.done_phases: set[str] = set()
@@ -188,9 +189,19 @@ class Transaction:
         e = self.entries.get(id(t))
         if e is not None and e.target is t:
             return e
-        e = self.aliases.get(id(t))
-        if e is not None and e.value is t:
-            return e
+        if torch.compiler.is_compiling():
+            # A pending value made inside a compiled graph has no id dynamo can
+            # replay: find it by identity (aliases are rebuilt after the graph).
+            for e in self.entries.values():
+                if e.value is t:
+                    return e
+        else:
+            if self._aliases_stale:
+                self.aliases = {id(x.value): x for x in self.entries.values() if x.value is not None}
+                self._aliases_stale = False
+            e = self.aliases.get(id(t))
+            if e is not None and e.value is t:
+                return e
         if not create:
             return None
         info = self.index.lookup(t)
@@ -236,7 +247,9 @@ class Transaction:
                 f"{fn} on {e.name!r} at {origin} with phase={phase!r} was issued after that phase was "
                 f"committed (inside optimizer.step()). Issue it before the optimizer step, or use a later phase."
             )
-        if _state.replay is None and torch._C._current_graph_task_id() != -1:
+        # (While dynamo traces, this is not a runtime check; a compiled forward
+        # is not re-run by autograd: checkpointing inside it is a graph op.)
+        if _state.replay is None and not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
             raise UpdateError(
                 f"{fn} on {e.name!r} at {origin} was issued during backward (from a hook or from "
                 "recomputation by torch.utils.checkpoint). Updates issued in backward would be applied "
@@ -265,10 +278,13 @@ class Transaction:
     def set_value(self, e: Entry, new: torch.Tensor) -> None:
         """Make ``new`` what reads of ``e``'s target return."""
         old = e.value
-        if old is not None:
-            self.aliases.pop(id(old), None)
         e.value = new
-        self.aliases[id(new)] = e
+        if torch.compiler.is_compiling():
+            self._aliases_stale = True
+        else:
+            if old is not None:
+                self.aliases.pop(id(old), None)
+            self.aliases[id(new)] = e
         if _is_pu_parameter(e.target):
             _state.pu_pending[id(e.target)] = e
         elif e.info is not None and e.info.kind == "buffer":

@@ -1,0 +1,26 @@
+"""``torch.compile`` support: what the recording path does while dynamo traces it.
+
+Eager recording walks Python frames (``sys._getframe``) to find the call site
+of an update. Dynamo cannot trace a frame walk, so while it traces
+(``torch.compiler.is_compiling()``) the call site is read from dynamo's own
+record of the user stack at trace time, and baked into the graph's side
+effects as a constant string (:func:`traced_call_site`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._origin import _is_internal, _relative
+
+
+@torch._dynamo.assume_constant_result
+def traced_call_site() -> str:
+    """``"file:line"`` of the innermost user frame dynamo is tracing (a trace-time constant)."""
+    from torch._guards import TracingContext
+
+    stack = TracingContext.extract_stack()
+    for fs in reversed(stack):
+        if not _is_internal(fs.filename):
+            return f"{_relative(fs.filename)}:{fs.lineno}"
+    return "<compiled>"

@@ -186,16 +186,17 @@ class Transaction:
 
     def find(self, t: torch.Tensor, create: bool = True) -> Entry | None:
         """The entry of target ``t`` (or of a pending value read from it)."""
-        e = self.entries.get(id(t))
-        if e is not None and e.target is t:
-            return e
         if torch.compiler.is_compiling():
-            # A pending value made inside a compiled graph has no id dynamo can
-            # replay: find it by identity (aliases are rebuilt after the graph).
+            # Under dynamo, id() of a tensor guards on that object, and a pending
+            # value made in a graph has no id to replay: match by identity
+            # instead (the aliases are rebuilt after the graph).
             for e in self.entries.values():
-                if e.value is t:
+                if e.target is t or e.value is t:
                     return e
         else:
+            e = self.entries.get(id(t))
+            if e is not None and e.target is t:
+                return e
             if self._aliases_stale:
                 self.aliases = {id(x.value): x for x in self.entries.values() if x.value is not None}
                 self._aliases_stale = False
@@ -209,7 +210,12 @@ class Transaction:
             return None
         # Trainable: the optimizer also updates it (it requires grad and, when
         # the step has an optimizer, is one of its parameters).
-        trainable = bool(t.requires_grad) and (self.optimizer is None or id(t) in self.opt_ids())
+        if torch.compiler.is_compiling():
+            from .integrations.compile import in_optimizer
+
+            trainable = bool(t.requires_grad) and (self.optimizer is None or in_optimizer(self.optimizer, t))
+        else:
+            trainable = bool(t.requires_grad) and (self.optimizer is None or id(t) in self.opt_ids())
         e = Entry(t, info.name, info, trainable)
         self.entries[id(t)] = e
         return e
@@ -286,7 +292,10 @@ class Transaction:
                 self.aliases.pop(id(old), None)
             self.aliases[id(new)] = e
         if _is_pu_parameter(e.target):
-            _state.pu_pending[id(e.target)] = e
+            if torch.compiler.is_compiling():
+                _state.pu_stale = True  # pu_pending is rebuilt after the graph
+            else:
+                _state.pu_pending[id(e.target)] = e
         elif e.info is not None and e.info.kind == "buffer":
             owner = e.info.owner
             if owner is not None:
@@ -306,6 +315,8 @@ class Transaction:
     # overlay removal, discard
     # ------------------------------------------------------------------
     def remove_overlay(self) -> None:
+        if _state.pu_stale:
+            _state.rebuild_pu_pending()
         for e in self.entries.values():
             if e.swapped and e.info is not None:
                 owner = e.info.owner

@@ -24,3 +24,15 @@ def traced_call_site() -> str:
         if not _is_internal(fs.filename):
             return f"{_relative(fs.filename)}:{fs.lineno}"
     return "<compiled>"
+
+
+@torch._dynamo.assume_constant_result
+def in_optimizer(optimizer: torch.optim.Optimizer, t: torch.Tensor) -> bool:
+    """Whether ``t`` is one of ``optimizer``'s parameters, decided at trace time.
+
+    Iterating ``optimizer.param_groups`` inside the trace would make dynamo wrap
+    every parameter from the optimizer's side, as plain tensors: a
+    ``pu.Parameter`` read later in the graph would then lose its subclass (and
+    its read-your-writes overlay).
+    """
+    return any(p is t for g in optimizer.param_groups for p in g["params"])

@@ -9,6 +9,8 @@ effects as a constant string (:func:`traced_call_site`).
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from .._origin import _is_internal, _relative
@@ -23,7 +25,15 @@ def traced_call_site() -> str:
     for fs in reversed(stack):
         if not _is_internal(fs.filename):
             return f"{_relative(fs.filename)}:{fs.lineno}"
-    return "<compiled>"
+    # The traced frame is itself internal (dynamo compiles ``pu.assign`` as a
+    # frame of its own when it runs the user's frame eagerly, e.g. after a
+    # graph break): the user's frames are then real frames, below dynamo's.
+    f = sys._getframe(1)
+    while f is not None and _is_internal(f.f_code.co_filename):
+        f = f.f_back
+    if f is None:
+        return "<compiled>"
+    return f"{_relative(f.f_code.co_filename)}:{f.f_lineno}"
 
 
 @torch._dynamo.assume_constant_result

@@ -33,19 +33,6 @@ _OBJECT_METHODS = frozenset(
 )
 
 
-def _sub_traced(a: Any) -> Any:
-    """``_sub`` while dynamo traces: find the pending value by identity, not id()."""
-    if isinstance(a, Parameter):
-        for tx in _state.open_transactions():
-            for e in tx.entries.values():
-                if e.target is a and e.value is not None:
-                    return e.value
-        return a
-    if isinstance(a, list | tuple) and a and any(isinstance(x, Parameter) for x in a):
-        return type(a)(_sub_traced(x) for x in a)
-    return a
-
-
 def _sub(a: Any) -> Any:
     if isinstance(a, Parameter):
         e = _state.pu_pending.get(id(a))
@@ -129,9 +116,11 @@ class Parameter(torch.nn.Parameter):
             kwargs = {}
         if torch.compiler.is_compiling():
             if _substitutes(func):
-                args = tuple(_sub_traced(a) for a in args)
+                from .integrations.compile import substitute_traced
+
+                args = tuple(substitute_traced(a) for a in args)
                 if kwargs:
-                    kwargs = {k: _sub_traced(v) for k, v in kwargs.items()}
+                    kwargs = {k: substitute_traced(v) for k, v in kwargs.items()}
         else:
             if _state.pu_stale:
                 _state.rebuild_pu_pending()

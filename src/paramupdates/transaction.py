@@ -187,12 +187,11 @@ class Transaction:
     def find(self, t: torch.Tensor, create: bool = True) -> Entry | None:
         """The entry of target ``t`` (or of a pending value read from it)."""
         if torch.compiler.is_compiling():
-            # Under dynamo, id() of a tensor guards on that object, and a pending
-            # value made in a graph has no id to replay: match by identity
-            # instead (the aliases are rebuilt after the graph).
-            for e in self.entries.values():
-                if e.target is t or e.value is t:
-                    return e
+            from .integrations.compile import find_traced
+
+            e = find_traced(self, t)
+            if e is not None:
+                return e
         else:
             e = self.entries.get(id(t))
             if e is not None and e.target is t:

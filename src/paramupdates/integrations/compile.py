@@ -1,19 +1,40 @@
-"""``torch.compile`` support: what the recording path does while dynamo traces it.
+"""``torch.compile`` support: the recording path as dynamo traces it.
 
-Eager recording walks Python frames (``sys._getframe``) to find the call site
-of an update. Dynamo cannot trace a frame walk, so while it traces
-(``torch.compiler.is_compiling()``) the call site is read from dynamo's own
-record of the user stack at trace time, and baked into the graph's side
-effects as a constant string (:func:`traced_call_site`).
+Inside a compiled forward, ``pu.assign`` & co. run the ordinary recording
+code (``updates._issue`` -> ``transaction.route`` -> ``Transaction.record``)
+under dynamo: the pending values are graph tensors (``_ops.apply_op``, with
+``torch.where`` for a tensor condition), and the bookkeeping (new entries and
+records, the buffer slot swap of the overlay) are Python side effects on
+pre-existing objects that dynamo replays after the graph. Where the eager
+code does something dynamo cannot trace, or traces at a cost, the core asks
+``torch.compiler.is_compiling()`` and calls the helpers below instead:
+
+* the call site (:func:`traced_call_site`): dynamo's record of the user stack
+  at trace time, a constant string, instead of ``sys._getframe``;
+* identity instead of ``id()`` (:func:`find_traced`, :func:`substitute_traced`):
+  ``id()`` of a tensor makes dynamo guard on that object (a recompilation per
+  step for a pending value) and the id of a tensor made in the graph cannot be
+  replayed. The id-keyed tables (``Transaction.aliases``,
+  ``_state.pu_pending``) are marked stale by the graph and rebuilt at the next
+  eager lookup;
+* trace-time constants (:func:`in_optimizer`, ``parameter._substitutes``):
+  facts that depend only on objects that do not change between steps.
+
+See ``docs/readme/compile.md`` for what is supported and the limits.
 """
 
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .. import _state
 from .._origin import _is_internal, _relative
+
+if TYPE_CHECKING:
+    from ..transaction import Entry, Transaction
 
 
 @torch._dynamo.assume_constant_result
@@ -43,6 +64,29 @@ def in_optimizer(optimizer: torch.optim.Optimizer, t: torch.Tensor) -> bool:
     Iterating ``optimizer.param_groups`` inside the trace would make dynamo wrap
     every parameter from the optimizer's side, as plain tensors: a
     ``pu.Parameter`` read later in the graph would then lose its subclass (and
-    its read-your-writes overlay).
+    its read-your-writes overlay), silently.
     """
     return any(p is t for g in optimizer.param_groups for p in g["params"])
+
+
+def find_traced(tx: Transaction, t: torch.Tensor) -> Entry | None:
+    """The entry whose target or pending value is ``t``, by identity."""
+    for e in tx.entries.values():
+        if e.target is t or e.value is t:
+            return e
+    return None
+
+
+def substitute_traced(a: Any) -> Any:
+    """``a`` with each ``pu.Parameter`` replaced by its pending value (read-your-writes)."""
+    from ..parameter import Parameter
+
+    if isinstance(a, Parameter):
+        for tx in _state.open_transactions():
+            for e in tx.entries.values():
+                if e.target is a and e.value is not None:
+                    return e.value
+        return a
+    if isinstance(a, list | tuple) and a and any(isinstance(x, Parameter) for x in a):
+        return type(a)(substitute_traced(x) for x in a)
+    return a

@@ -84,12 +84,15 @@ def _train(mode, model, opt, fwd, batches, accum=1):
                     y = fwd(x)
                     y.square().mean().backward()
                     outs.append(y.detach())
+                # eager reads after the graph see its pending values (rule 1)
+                outs.extend(v for _k, v in snapshot(model))
             plans.append(s.schedule())
         else:
             for x in xs[:accum]:
                 y = fwd(x)
                 y.square().mean().backward()
                 outs.append(y.detach())
+            outs.extend(v for _k, v in snapshot(model))
             opt.step()
             plans.append(att.schedule())
     if att is not None:
@@ -303,3 +306,32 @@ def test_inductor_bitwise_equal_to_eager():
     fwd = torch.compile(m2, fullgraph=True, backend="inductor")
     compiled = (m2, o2, _train("step", m2, o2, fwd, batches))
     _check_same(eager, compiled)
+
+
+def test_pu_batchnorm2d_fullgraph_matches_eager_and_torch():
+    """pu.nn.BatchNorm2d in a compiled CNN: one graph, running stats bitwise those of torch.nn.BatchNorm2d."""
+    pu_nn = pytest.importorskip("paramupdates.nn")
+
+    def make(bn):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Conv2d(3, 4, 3), bn(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 2))
+        return m, torch.optim.SGD(m.parameters(), lr=0.1)
+
+    (m1, o1), (m2, o2), (ref, oref) = make(pu_nn.BatchNorm2d), make(pu_nn.BatchNorm2d), make(nn.BatchNorm2d)
+    cc = CompileCounterWithBackend("aot_eager")
+    fwd = torch.compile(m2, fullgraph=True, backend=cc)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x = torch.randn(8, 3, 8, 8, generator=g)
+        with pu.step(m1, o1):
+            m1(x).square().mean().backward()
+        with pu.step(m2, o2):
+            fwd(x).square().mean().backward()
+        ref(x).square().mean().backward()
+        oref.step()
+        for o in (o1, o2, oref):
+            o.zero_grad()
+        assert_same(_state(m1, o1), _state(m2, o2))
+        assert_same(_state(ref, oref), _state(m2, o2))
+    assert int(m2[1].num_batches_tracked) == 4
+    assert cc.frame_count == 1

@@ -114,20 +114,10 @@ class Parameter(torch.nn.Parameter):
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if kwargs is None:
             kwargs = {}
-        if torch.compiler.is_compiling():
-            if _substitutes(func):
-                from .integrations.compile import substitute_traced
-
-                args = tuple(substitute_traced(a) for a in args)
-                if kwargs:
-                    kwargs = {k: substitute_traced(v) for k, v in kwargs.items()}
-        else:
-            if _state.pu_stale:
-                _state.rebuild_pu_pending()
-            if _state.pu_pending and _substitutes(func):
-                args = tuple(_sub(a) for a in args)
-                if kwargs:
-                    kwargs = {k: _sub(v) for k, v in kwargs.items()}
+        if _state.pu_pending and _substitutes(func):
+            args = tuple(_sub(a) for a in args)
+            if kwargs:
+                kwargs = {k: _sub(v) for k, v in kwargs.items()}
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 

@@ -291,10 +291,7 @@ class Transaction:
                 self.aliases.pop(id(old), None)
             self.aliases[id(new)] = e
         if _is_pu_parameter(e.target):
-            if torch.compiler.is_compiling():
-                _state.pu_stale = True  # pu_pending is rebuilt after the graph
-            else:
-                _state.pu_pending[id(e.target)] = e
+            _state.pu_pending[id(e.target)] = e
         elif e.info is not None and e.info.kind == "buffer":
             owner = e.info.owner
             if owner is not None:
@@ -314,8 +311,6 @@ class Transaction:
     # overlay removal, discard
     # ------------------------------------------------------------------
     def remove_overlay(self) -> None:
-        if _state.pu_stale:
-            _state.rebuild_pu_pending()
         for e in self.entries.values():
             if e.swapped and e.info is not None:
                 owner = e.info.owner

@@ -11,12 +11,12 @@ code does something dynamo cannot trace, or traces at a cost, the core asks
 
 * the call site (:func:`traced_call_site`): dynamo's record of the user stack
   at trace time, a constant string, instead of ``sys._getframe``;
-* identity instead of ``id()`` (:func:`find_traced`, :func:`substitute_traced`):
-  ``id()`` of a tensor makes dynamo guard on that object (a recompilation per
-  step for a pending value) and the id of a tensor made in the graph cannot be
-  replayed. The id-keyed tables (``Transaction.aliases``,
-  ``_state.pu_pending``) are marked stale by the graph and rebuilt at the next
-  eager lookup;
+* identity instead of ``id()`` (:func:`find_traced`): ``id()`` of a tensor
+  makes dynamo guard on that object (a recompilation per step for a pending
+  value) and the id of a tensor made in the graph cannot be replayed. The
+  id-keyed ``Transaction.aliases`` is marked stale by the graph and rebuilt at
+  the next eager lookup. (``id()`` of a target itself, a parameter or buffer,
+  is stable from step to step: ``_state.pu_pending`` keeps it.);
 * trace-time constants (:func:`in_optimizer`, ``parameter._substitutes``):
   facts that depend only on objects that do not change between steps.
 
@@ -26,11 +26,10 @@ See ``docs/readme/compile.md`` for what is supported and the limits.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from .. import _state
 from .._origin import _is_internal, _relative
 
 if TYPE_CHECKING:
@@ -75,18 +74,3 @@ def find_traced(tx: Transaction, t: torch.Tensor) -> Entry | None:
         if e.target is t or e.value is t:
             return e
     return None
-
-
-def substitute_traced(a: Any) -> Any:
-    """``a`` with each ``pu.Parameter`` replaced by its pending value (read-your-writes)."""
-    from ..parameter import Parameter
-
-    if isinstance(a, Parameter):
-        for tx in _state.open_transactions():
-            for e in tx.entries.values():
-                if e.target is a and e.value is not None:
-                    return e.value
-        return a
-    if isinstance(a, list | tuple) and a and any(isinstance(x, Parameter) for x in a):
-        return type(a)(substitute_traced(x) for x in a)
-    return a

@@ -335,3 +335,46 @@ def test_pu_batchnorm2d_fullgraph_matches_eager_and_torch():
         assert_same(_state(ref, oref), _state(m2, o2))
     assert int(m2[1].num_batches_tracked) == 4
     assert cc.frame_count == 1
+
+
+def test_pu_checkpoint_in_a_compiled_forward():
+    """pu.checkpoint(BN segment) compiled: statistics updated once, bitwise as without checkpointing.
+
+    Dynamo needs skip_fwd_side_effects_in_bwd_under_checkpoint=True to accept
+    side effects in a checkpointed region; that is rule 3 (recomputation
+    replays, never re-issues).
+    """
+    pu_nn = pytest.importorskip("paramupdates.nn")
+
+    class Net2(nn.Module):
+        def __init__(self, ckpt):
+            super().__init__()
+            self.ckpt = ckpt
+            self.seg = nn.Sequential(nn.Conv2d(3, 4, 3), pu_nn.BatchNorm2d(4), nn.ReLU())
+            self.head = nn.Linear(4 * 6 * 6, 2)
+
+        def forward(self, x):
+            h = pu.checkpoint(self.seg, x) if self.ckpt else self.seg(x)
+            return self.head(h.flatten(1))
+
+    def make(ckpt):
+        torch.manual_seed(0)
+        m = Net2(ckpt)
+        return m, torch.optim.SGD(m.parameters(), lr=0.1)
+
+    (m1, o1), (m2, o2) = make(False), make(True)
+    cc = CompileCounterWithBackend("aot_eager")
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        fwd = torch.compile(m2, fullgraph=True, backend=cc)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x = torch.randn(4, 3, 8, 8, generator=g)
+            with pu.step(m1, o1):
+                m1(x).square().mean().backward()
+            with pu.step(m2, o2):
+                fwd(x).square().mean().backward()
+            o1.zero_grad()
+            o2.zero_grad()
+            assert_same(_state(m1, o1), _state(m2, o2))
+    assert int(m2.seg[1].num_batches_tracked) == 3
+    assert cc.frame_count == 1

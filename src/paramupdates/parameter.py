@@ -44,8 +44,6 @@ def _sub(a: Any) -> Any:
     return a
 
 
-# A function of ``func`` alone: dynamo evaluates it once at trace time.
-@torch._dynamo.assume_constant_result
 def _substitutes(func: Any) -> bool:
     name = getattr(func, "__name__", "")
     if name in ("__get__", "__set__", "__delete__"):
@@ -55,6 +53,12 @@ def _substitutes(func: Any) -> bool:
     if name in _OBJECT_METHODS:
         return False
     return not (name.endswith("_") and not name.endswith("__"))
+
+
+# A function of ``func`` alone: dynamo evaluates it once at trace time (what
+# ``torch._dynamo.assume_constant_result`` sets; set directly so that importing
+# paramupdates does not import dynamo).
+_substitutes._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 class Parameter(torch.nn.Parameter):

@@ -538,6 +538,12 @@ _ADOPT: Any = None
 
 def _adopt_torch_segment() -> None:
     global _ADOPT
+    if torch.compiler.is_compiling():
+        # No global store in a graph: it would guard on _ADOPT and recompile once.
+        from .integrations.checkpoint import adopt_torch_segment
+
+        adopt_torch_segment()
+        return
     if _ADOPT is None:  # imported on first use: integrations.checkpoint imports this module
         from .integrations.checkpoint import adopt_torch_segment
 

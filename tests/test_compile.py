@@ -157,7 +157,7 @@ def test_explain_reports_no_graph_break():
 
 
 def test_twenty_steps_compile_once_per_train_flag():
-    """Recompilation guard: 20 steps, then eval, then train again: exactly 2 graphs."""
+    """Recompilation guard: 20 steps (and a call outside a step), then eval, then train again: 3 graphs."""
     m = Counter()
     opt = torch.optim.SGD(m.lin.parameters(), lr=0.1)
     graphs = []
@@ -175,7 +175,8 @@ def test_twenty_steps_compile_once_per_train_flag():
             with torch.no_grad():
                 fwd(torch.randn(4, 3))
     assert int(m.count) == 21  # 20 steps + the no_grad call outside a step (applied in place, rule 8)
-    assert counters["stats"]["unique_graphs"] == len(graphs) <= 2
+    # one graph inside a step, one outside (there the updates are in-place writes)
+    assert counters["stats"]["unique_graphs"] == len(graphs) == 2
     m.eval()
     with pu.step(m):
         fwd(torch.randn(4, 3))
@@ -184,8 +185,7 @@ def test_twenty_steps_compile_once_per_train_flag():
         with pu.step(m, opt):
             fwd(torch.randn(4, 3)).sum().backward()
     assert int(m.count) == 24
-    n = len(graphs)
-    assert counters["stats"]["unique_graphs"] == n <= 3  # + self.training, a guard
+    assert counters["stats"]["unique_graphs"] == len(graphs) == 3  # + eval: self.training is a guard
     assert not counters["graph_break"]
 
 

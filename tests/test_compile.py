@@ -378,3 +378,27 @@ def test_pu_checkpoint_in_a_compiled_forward():
             assert_same(_state(m1, o1), _state(m2, o2))
     assert int(m2.seg[1].num_batches_tracked) == 3
     assert cc.frame_count == 1
+
+
+def test_declared_rules_with_a_compiled_forward_under_attach():
+    """Weight decay, a constraint and EMA run at commit, outside the graph: same state as eager."""
+
+    def make():
+        m, o = _make(Counter)
+        pu.weight_decay(m.lin, 0.01)
+        pu.constrain(m.lin.weight, pu.max_norm(0.5))
+        avg = pu.ema(m, 0.9)
+        return m, o, avg
+
+    batches = _batches(4)
+    m1, o1, avg1 = make()
+    eager = (m1, o1, _train("attach", m1, o1, m1, batches))
+    m2, o2, avg2 = make()
+    cc = CompileCounterWithBackend("eager")
+    fwd = torch.compile(m2, fullgraph=True, backend=cc)
+    compiled = (m2, o2, _train("attach", m2, o2, fwd, batches))
+    _check_same(eager, compiled)
+    assert_same(snapshot(avg1), snapshot(avg2))
+    assert cc.frame_count == 1
+    phases = [r.phase for r in compiled[2][1][-1]]
+    assert "before_grad" in phases and "after_grad" in phases and "after_step" in phases

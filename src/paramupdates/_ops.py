@@ -67,8 +67,14 @@ def apply_inplace(op: str, t: torch.Tensor, operand: Any, key: Any, cond: torch.
             t.copy_(apply_op(op, t, operand, key, cond))
 
 
+def _kind(dt: torch.dtype) -> int:
+    return 3 if dt.is_complex else 2 if dt.is_floating_point else 0 if dt == torch.bool else 1
+
+
 def _kind_ok(src: torch.dtype, dst: torch.dtype) -> bool:
-    return torch.can_cast(src, dst)
+    """``torch.can_cast(src, dst)`` (bool < integer < floating < complex), in plain
+    Python so that dynamo can trace it."""
+    return _kind(src) <= _kind(dst)
 
 
 def check_operand(op: str, target: torch.Tensor, operand: Any, key: Any, name: str, origin: str) -> None:

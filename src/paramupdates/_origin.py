@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
+import torch
+
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 # Modules built on the mechanism (pu.nn) are where their updates are issued:
 # their lines are shown, not skipped.
@@ -22,12 +24,22 @@ def _is_internal(filename: str) -> bool:
     )
 
 
+def _relative(name: str) -> str:
+    return name[len(_CWD) :] if name.startswith(_CWD) else name
+
+
 def call_site(depth: int = 2) -> str:
     """Return ``"file:line"`` of the first frame outside paramupdates and torch.
 
     Paths under the working directory are shown relative to it, so that a
-    schedule printed by the same script is identical from run to run.
+    schedule printed by the same script is identical from run to run. While
+    ``torch.compile`` traces, the frames are dynamo's, not the user's: the
+    call site comes from dynamo's user stack instead (a trace-time constant).
     """
+    if torch.compiler.is_compiling():
+        from .integrations.compile import traced_call_site
+
+        return traced_call_site()
     try:
         f = sys._getframe(depth)
     except ValueError:  # pragma: no cover - shallow stack
@@ -37,7 +49,4 @@ def call_site(depth: int = 2) -> str:
         f = f.f_back
     if f is None:
         f = first
-    name = f.f_code.co_filename
-    if name.startswith(_CWD):
-        name = name[len(_CWD) :]
-    return f"{name}:{f.f_lineno}"
+    return f"{_relative(f.f_code.co_filename)}:{f.f_lineno}"

@@ -55,6 +55,12 @@ def _substitutes(func: Any) -> bool:
     return not (name.endswith("_") and not name.endswith("__"))
 
 
+# A function of ``func`` alone: dynamo evaluates it once at trace time (what
+# ``torch._dynamo.assume_constant_result`` sets; set directly so that importing
+# paramupdates does not import dynamo).
+_substitutes._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 class Parameter(torch.nn.Parameter):
     """A parameter that may take custom updates (``assign``, ``assign_add``, ...).
 

@@ -175,6 +175,7 @@ class Transaction:
         self.label = label
         self.entries: dict[int, Entry] = {}
         self.aliases: dict[int, Entry] = {}
+        self._aliases_stale = False  # set when a compiled graph installed pending values
         self.order: list[tuple[Entry, Record]] = []
         self.state = "open"  # open -> committing -> closed
         self.done_phases: set[str] = set()
@@ -206,12 +207,22 @@ class Transaction:
 
     def find(self, t: torch.Tensor, create: bool = True) -> Entry | None:
         """The entry of target ``t`` (or of a pending value read from it)."""
-        e = self.entries.get(id(t))
-        if e is not None and e.target is t:
-            return e
-        e = self.aliases.get(id(t))
-        if e is not None and e.value is t:
-            return e
+        if torch.compiler.is_compiling():
+            from .integrations.compile import find_traced
+
+            e = find_traced(self, t)
+            if e is not None:
+                return e
+        else:
+            e = self.entries.get(id(t))
+            if e is not None and e.target is t:
+                return e
+            if self._aliases_stale:
+                self.aliases = {id(x.value): x for x in self.entries.values() if x.value is not None}
+                self._aliases_stale = False
+            e = self.aliases.get(id(t))
+            if e is not None and e.value is t:
+                return e
         replay = _state.replay
         if replay is not None:
             # A value shown by a checkpoint recomputation (integrations.checkpoint).
@@ -225,7 +236,12 @@ class Transaction:
             return None
         # Trainable: the optimizer also updates it (it requires grad and, when
         # the step has an optimizer, is one of its parameters).
-        trainable = bool(t.requires_grad) and (self.optimizer is None or id(t) in self.opt_ids())
+        if torch.compiler.is_compiling():
+            from .integrations.compile import in_optimizer
+
+            trainable = bool(t.requires_grad) and (self.optimizer is None or in_optimizer(self.optimizer, t))
+        else:
+            trainable = bool(t.requires_grad) and (self.optimizer is None or id(t) in self.opt_ids())
         e = Entry(t, info.name, info, trainable)
         self.entries[id(t)] = e
         return e
@@ -260,7 +276,9 @@ class Transaction:
                 f"{fn} on {e.name!r} at {origin} with phase={phase!r} was issued after that phase was "
                 f"committed (inside optimizer.step()). Issue it before the optimizer step, or use a later phase."
             )
-        if _state.replay is None and torch._C._current_graph_task_id() != -1:
+        # (While dynamo traces, this is not a runtime check; a compiled forward
+        # is not re-run by autograd: checkpointing inside it is a graph op.)
+        if _state.replay is None and not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
             raise UpdateError(
                 f"{fn} on {e.name!r} at {origin} was issued during backward (from a hook, or from "
                 "the recomputation of torch.utils.checkpoint with use_reentrant=True). Updates issued in "
@@ -294,10 +312,13 @@ class Transaction:
     def set_value(self, e: Entry, new: torch.Tensor) -> None:
         """Make ``new`` what reads of ``e``'s target return."""
         old = e.value
-        if old is not None:
-            self.aliases.pop(id(old), None)
         e.value = new
-        self.aliases[id(new)] = e
+        if torch.compiler.is_compiling():
+            self._aliases_stale = True
+        else:
+            if old is not None:
+                self.aliases.pop(id(old), None)
+            self.aliases[id(new)] = e
         if _is_pu_parameter(e.target):
             _state.pu_pending[id(e.target)] = e
         elif e.info is not None and e.info.kind == "buffer":
@@ -600,6 +621,12 @@ _ADOPT: Any = None
 
 def _adopt_torch_segment() -> None:
     global _ADOPT
+    if torch.compiler.is_compiling():
+        # No global store in a graph: it would guard on _ADOPT and recompile once.
+        from .integrations.checkpoint import adopt_torch_segment
+
+        adopt_torch_segment()
+        return
     if _ADOPT is None:  # imported on first use: integrations.checkpoint imports this module
         from .integrations.checkpoint import adopt_torch_segment
 

@@ -349,6 +349,16 @@ def checkpoint(
     ``preserve_rng_state``, ``determinism_check`` and ``debug`` are passed to
     ``torch.utils.checkpoint.checkpoint``; every other keyword goes to ``fn``.
     """
+    if torch.compiler.is_compiling():
+        # Under torch.compile the recomputation is part of the compiled
+        # backward and replays no Python side effect: the updates are recorded
+        # once, by the forward's graph. (Dynamo accepts side effects in a
+        # checkpointed region only with
+        # torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True,
+        # and no context_fn other than a pair of dispatch modes.)
+        return _tc.checkpoint(
+            fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs
+        )
     _warn_plain_batchnorm(fn)
     return _tc.checkpoint(
         fn,

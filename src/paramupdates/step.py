@@ -61,7 +61,11 @@ class _Owner:
         _check_nonfinite(on_nonfinite)
         self.process_group = process_group
         self.sync_timeout = check_group(process_group, sync_timeout)
-        self.opened = 0  # steps opened (committed, skipped or discarded): ranks must agree (rule 9)
+        # Steps closed so far (committed, skipped, discarded or rolled back); a
+        # commit's sync sends it so that ranks check they commit the same step
+        # (rule 9). Read and written only outside the forward (commit, discard):
+        # a value read in a compiled forward would be guarded on, and recompile.
+        self._closed = 0
         self.model = model
         self.optimizer = optimizer
         self.on_nonfinite = on_nonfinite
@@ -73,7 +77,6 @@ class _Owner:
         self._last = Schedule()
 
     def _new_tx(self, label: str) -> Transaction:
-        self.opened += 1
         return Transaction(
             self.index,
             self.optimizer,
@@ -83,7 +86,6 @@ class _Owner:
             label=label,
             process_group=self.process_group,
             sync_timeout=self.sync_timeout,
-            seq=self.opened,
         )
 
     def schedule(self) -> Schedule:
@@ -117,6 +119,8 @@ class _Owner:
     def _commit_all(self, tx: Transaction, closure: Any = None) -> Any:
         """prepare -> before_grad -> grad -> after_grad -> auxiliary -> after_step."""
         out = None
+        tx.seq = self._closed
+        self._closed += 1
         try:
             if not tx.prepare():
                 self.skipped_steps += 1
@@ -201,6 +205,7 @@ class Stepper(_Owner):
         except BaseException:
             self._close(tx)
             tx.discard()
+            self._closed += 1
             raise
         self._close(tx)
         self._finish(tx, closure if closure is not None else self.closure)
@@ -238,6 +243,7 @@ class Stepper(_Owner):
         self._close(tx)
         if exc_type is not None:
             tx.discard()
+            self._closed += 1
             return
         self._finish(tx, self.closure)
 
@@ -401,6 +407,8 @@ class Attachment(_Owner):
                 tx.rollback()
             else:
                 tx.discard()
+            if tx.seq is None:  # closed before its commit began (which counts it)
+                self._closed += 1
         self._restore_grads()
         self.tx = None
         self._in_step = False
@@ -420,6 +428,8 @@ class Attachment(_Owner):
         self._in_step = True
         self._step_calls = self._calls
         self._hooks_running = True
+        tx.seq = self._closed
+        self._closed += 1
         try:
             if not tx.prepare():
                 self.skipped_steps += 1

@@ -159,12 +159,13 @@ class Transaction:
         label: str = "pu.step",
         process_group: Any = None,
         sync_timeout: float | None = None,
-        seq: int = 0,
+        seq: int | None = None,
     ) -> None:
         self.index = index
         # Rule 9: synced values are reduced over ``process_group`` (None: the
         # default group), waiting at most ``sync_timeout`` seconds; ``seq``
-        # numbers the steps of the owner, so ranks can check they agree.
+        # (set by the owner when the commit begins) numbers its steps, so
+        # ranks can check they commit the same one.
         self.process_group = process_group
         self.sync_timeout = sync_timeout
         self.seq = seq

@@ -189,7 +189,7 @@ def check_rules(tx: Transaction, synced: Sequence[Entry]) -> None:
 _LAYOUT_CRC: dict[tuple, int] = {}  # layout -> CRC32 of its text (layouts repeat step after step)
 
 
-def _fingerprint(plan: Sequence[tuple[Any, Sequence[Entry]]], seq: int, world: int) -> list[int]:
+def _fingerprint(plan: Sequence[tuple[Any, Sequence[Entry]]], seq: int | None, world: int) -> list[int]:
     """``_CHUNKS`` integers in ``[0, 2**b)`` from a CRC of the layout and the step number.
 
     ``b`` is chosen so that ``world * sum(x**2)`` is exact in float32 (24-bit

@@ -74,7 +74,10 @@ def main() -> None:
         print(stepper.schedule())
         print(f"{stepper.steps} steps on {world} ranks; statistics and weights identical on every rank")
         print("running_mean", [round(v, 4) for v in bn.running_mean.tolist()])
-    dist.barrier()  # leave together: gloo aborts a rank whose peer tears down first
+    # Tear down in order: DDP (its reducer's threads) before the process group, then leave together;
+    # otherwise gloo aborts a rank at exit now and then ("terminate called without an active exception").
+    del stepper, opt, ddp
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -4,8 +4,11 @@ See DESIGN.md for the rules; every public name's docstring states the
 ordering rule that applies to it.
 """
 
+from . import func, nn
 from .conditions import when
 from .errors import AmbiguousOrderError, UpdateError
+from .integrations.checkpoint import checkpoint
+from .nn import convert, recompute_batchnorm_stats
 from .parameter import Parameter
 from .schedule import Schedule, ScheduleEntry
 from .step import Attachment, Stepper, attach, step
@@ -24,7 +27,12 @@ __all__ = [
     "assign_key",
     "assign_sub",
     "attach",
+    "checkpoint",
+    "convert",
+    "func",
+    "nn",
     "read",
+    "recompute_batchnorm_stats",
     "step",
     "when",
 ]

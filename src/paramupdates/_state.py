@@ -19,3 +19,6 @@ attachments: list[Any] = []
 pu_pending: dict[int, Entry] = {}
 # Set while a checkpointed segment is recomputed (see integrations.checkpoint).
 replay: Any = None
+# Innermost pu.checkpoint segment running its forward: notes eager (outside a
+# step) writes, so that the recomputation can show the values at segment entry.
+eager_log: Any = None

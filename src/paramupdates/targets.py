@@ -13,6 +13,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.utils.parametrize import ParametrizationList
+
+from .integrations.parametrize import track as track_parametrization
 
 
 @dataclass(eq=False)
@@ -52,6 +55,8 @@ class ModelIndex:
         by_id: dict[int, TargetInfo] = {}
         if model is not None:
             for mod_name, mod in model.named_modules(remove_duplicate=True):
+                if isinstance(mod, ParametrizationList):
+                    track_parametrization(mod, mod_name)  # rule 10: recognise its outputs
                 prefix = f"{mod_name}." if mod_name else ""
                 mref = weakref.ref(mod)
                 for kind, table in (("parameter", mod._parameters), ("buffer", mod._buffers)):

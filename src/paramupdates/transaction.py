@@ -191,6 +191,12 @@ class Transaction:
         e = self.aliases.get(id(t))
         if e is not None and e.value is t:
             return e
+        replay = _state.replay
+        if replay is not None:
+            # A value shown by a checkpoint recomputation (integrations.checkpoint).
+            e = replay.lookup(self, t)
+            if e is not None:
+                return e
         if not create:
             return None
         info = self.index.lookup(t)
@@ -238,18 +244,21 @@ class Transaction:
             )
         if _state.replay is None and torch._C._current_graph_task_id() != -1:
             raise UpdateError(
-                f"{fn} on {e.name!r} at {origin} was issued during backward (from a hook or from "
-                "recomputation by torch.utils.checkpoint). Updates issued in backward would be applied "
-                "twice or out of order: issue them in forward, and use pu.checkpoint for activation "
+                f"{fn} on {e.name!r} at {origin} was issued during backward (from a hook, or from "
+                "the recomputation of torch.utils.checkpoint with use_reentrant=True). Updates issued in "
+                "backward would be applied twice or out of order: issue them in forward, and use "
+                "pu.checkpoint (or torch.utils.checkpoint with use_reentrant=False) for activation "
                 "checkpointing."
             )
         check_operand(op, e.target, operand, key, e.name, origin)
+        if _state.replay is None and _state.eager_log is None:
+            _adopt_torch_segment()  # inside a plain torch.utils.checkpoint segment: note its entry values (rule 3)
         cond = conditions.current()
         if isinstance(operand, torch.Tensor):
             operand = self.read(operand)
             if not e.trainable:
                 operand = operand.detach()
-        old = _plain(e.current())
+        old = _plain(self.current_of(e))
         new = apply_op(op, old, operand, key, cond if isinstance(cond, torch.Tensor) else None)
         if not e.trainable:
             new = new.detach()
@@ -279,12 +288,20 @@ class Transaction:
                     owner._buffers[e.info.attr] = new
                     e.swapped = True
 
+    def current_of(self, e: Entry) -> torch.Tensor:
+        """What a read of ``e``'s target sees now: its pending value, or the
+        value a checkpoint recomputation shows (``_state.replay``)."""
+        replay = _state.replay
+        if replay is not None:
+            return replay.current(self, e)
+        return e.current()
+
     def read(self, t: torch.Tensor) -> torch.Tensor:
         """The value of ``t`` as this step sees it (pending or committed)."""
         e = self.find(t, create=False)
         if e is None:
             return _plain(t)
-        return _plain(e.current())
+        return _plain(self.current_of(e))
 
     # ------------------------------------------------------------------
     # overlay removal, discard
@@ -495,6 +512,18 @@ class Transaction:
         self.state = "closed"
 
 
+_ADOPT: Any = None
+
+
+def _adopt_torch_segment() -> None:
+    global _ADOPT
+    if _ADOPT is None:  # imported on first use: integrations.checkpoint imports this module
+        from .integrations.checkpoint import adopt_torch_segment
+
+        _ADOPT = adopt_torch_segment
+    _ADOPT()
+
+
 def route(t: torch.Tensor, origin: str, op: str) -> tuple[Transaction | None, Entry | None]:
     """Find the transaction that owns target ``t``; (None, None) means apply eagerly."""
     for tx in reversed(_state.explicit):
@@ -518,14 +547,18 @@ def route(t: torch.Tensor, origin: str, op: str) -> tuple[Transaction | None, En
 
 def pending_value(t: torch.Tensor) -> torch.Tensor | None:
     """The pending value of ``t`` in any live transaction, or None."""
-    for tx in reversed(_state.explicit):
+    for tx in live_transactions():
         e = tx.find(t, create=False)
         if e is not None:
-            return e.value
-    for att in _state.attachments:
-        tx = att.tx
-        if tx is not None:
-            e = tx.find(t, create=False)
-            if e is not None:
-                return e.value
+            v = tx.current_of(e)
+            return None if v is e.target else v
     return None
+
+
+def live_transactions() -> list[Transaction]:
+    """Every open transaction: explicit steps (innermost first), then attachments'."""
+    out = list(reversed(_state.explicit))
+    for att in _state.attachments:
+        if att.tx is not None:
+            out.append(att.tx)
+    return out

@@ -25,10 +25,13 @@ from typing import Any
 
 import torch
 
-from . import conditions
+from . import _state, conditions
 from ._ops import apply_inplace, check_operand
 from ._origin import call_site
 from .errors import UpdateError
+from .integrations.checkpoint import adopt_torch_segment
+from .integrations.parametrize import inverse
+from .integrations.parametrize import source as parametrized_source
 from .targets import describe
 from .transaction import _plain, pending_value, route
 
@@ -43,13 +46,28 @@ def _issue(op: str, target: torch.Tensor, operand: Any, key: Any, phase: str | N
             f"pu.{op} at {origin}: the target is a {type(target).__name__}, not a tensor. "
             "Pass a pu.Parameter or a parameter or buffer of your model."
         )
+    src = parametrized_source(target)
+    if src is not None:
+        # rule 10: an update of a parametrized tensor goes through right_inverse
+        plist, name = src
+        for original, value in inverse(plist, name, op, target, operand, key, origin):
+            _issue("assign", original, value, None, phase, sync)
+        return
     tx, entry = route(target, origin, op)
     if tx is not None and entry is not None:
         tx.record(entry, op, operand, key, phase, sync, origin)
         return
+    if _state.replay is not None:
+        # Re-issued by a pu.checkpoint recomputation: the forward already applied it (rule 3);
+        # only the recomputation's own view moves.
+        _state.replay.eager_write(op, target, operand, key, cond if isinstance(cond, torch.Tensor) else None)
+        return
     # Outside a step: eager, in place, under no_grad (rule 8).
     name = describe(target)
     check_operand(op, target, operand, key, name, origin)
+    log = _state.eager_log if _state.eager_log is not None else adopt_torch_segment()
+    if log is not None:
+        log.note(target)  # inside a checkpointed segment: keep the value at segment entry (rule 3)
     apply_inplace(op, target, operand, key, cond if isinstance(cond, torch.Tensor) else None)
 
 

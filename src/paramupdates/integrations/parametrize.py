@@ -1,0 +1,113 @@
+"""Updates of tensors produced by ``torch.nn.utils.parametrize`` (rule 10).
+
+A parametrized ``module.weight`` is not stored: every read computes it from
+the originals (``module.parametrizations.weight.original``, or
+``original0``, ``original1``, ... when the first parametrization's
+``right_inverse`` returns several tensors, as weight norm's does). An update
+of such a tensor therefore goes through the parametrizations'
+``right_inverse`` methods, in reverse registration order, exactly as
+``module.weight = value`` does in PyTorch, but out of place:
+
+    new_weight   = op(weight, operand)            (assign, assign_add, ...)
+    originals    = right_inverse_1(... right_inverse_k(new_weight))
+    assign(original_i, originals[i], phase=phase, sync=sync)   for each i
+
+so the originals take the update in the phase given (they are usually
+trainable: ``phase="before_grad"`` or ``"after_grad"`` is required, rule 5),
+and nothing is written before commit. A parametrization without
+``right_inverse`` raises :class:`~paramupdates.UpdateError` naming the
+weight, the parametrization and the call site.
+
+A tensor is recognised as a parametrization's output by a forward hook on
+the ``ParametrizationList`` modules of every model paramupdates indexes (a
+``pu.step``, ``pu.Stepper`` or ``pu.attach`` on the model does that).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from .._ops import apply_op
+from ..errors import UpdateError
+
+# id(output tensor) -> (weakref to it, weakref to its ParametrizationList, display name)
+_OUTPUTS: dict[int, tuple[weakref.ref, weakref.ref, str]] = {}
+_HOOKED_ATTR = "_pu_parametrize_hook"
+
+
+def track(module: nn.Module, qualified_name: str) -> None:
+    """Register (once) the forward hook that records the outputs of a ``ParametrizationList``."""
+    if not isinstance(module, parametrize.ParametrizationList) or getattr(module, _HOOKED_ATTR, None):
+        return
+    # "lin.parametrizations.weight" -> "lin.weight"
+    parts = qualified_name.split(".")
+    shown = ".".join(parts[:-2] + parts[-1:]) if len(parts) >= 2 and parts[-2] == "parametrizations" else qualified_name
+    plist_ref = weakref.ref(module)
+
+    def hook(_m: nn.Module, _inputs: Any, output: Any) -> None:
+        if isinstance(output, torch.Tensor):
+            key = id(output)
+            _OUTPUTS[key] = (weakref.ref(output, lambda _r, k=key: _OUTPUTS.pop(k, None)), plist_ref, shown)
+
+    setattr(module, _HOOKED_ATTR, module.register_forward_hook(hook))
+
+
+def source(t: torch.Tensor) -> tuple[parametrize.ParametrizationList, str] | None:
+    """The ``ParametrizationList`` that produced ``t`` and the parametrized tensor's name, if any."""
+    if not _OUTPUTS:  # no parametrized tensor alive: nothing to look up (and no id() under tracing)
+        return None
+    rec = _OUTPUTS.get(id(t))
+    if rec is None or rec[0]() is not t:
+        return None
+    plist = rec[1]()
+    if plist is None:
+        return None
+    return plist, rec[2]
+
+
+def originals(plist: parametrize.ParametrizationList) -> list[torch.Tensor]:
+    """The stored tensors a parametrization is computed from, in ``right_inverse`` order."""
+    if plist.is_tensor:
+        return [plist.original]
+    return [getattr(plist, f"original{i}") for i in range(plist.ntensors)]
+
+
+def inverse(
+    plist: parametrize.ParametrizationList, name: str, op: str, current: torch.Tensor, operand: Any, key: Any,
+    origin: str,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``[(original_i, new value)]`` for the update ``op(current, operand)`` of the parametrized tensor."""
+    for p in plist:
+        if not hasattr(p, "right_inverse"):
+            raise UpdateError(
+                f"pu.{op} on {name!r} at {origin}: {name!r} is computed by the parametrization "
+                f"{type(p).__name__} (torch.nn.utils.parametrize), which has no right_inverse, so the "
+                f"update cannot be mapped back to the stored tensor(s) {_orig_names(plist, name)}. "
+                f"Give {type(p).__name__} a right_inverse(value) method, or update the original(s) directly."
+            )
+    with torch.no_grad():
+        value = apply_op(op, current.detach(), operand.detach() if isinstance(operand, torch.Tensor) else operand,
+                         key, None)
+        for p in reversed(plist):
+            value = p.right_inverse(value)
+    origs = originals(plist)
+    values = [value] if plist.is_tensor else list(value)
+    if len(values) != len(origs):
+        raise UpdateError(
+            f"pu.{op} on {name!r} at {origin}: right_inverse returned {len(values)} tensors for "
+            f"{len(origs)} originals."
+        )
+    return list(zip(origs, values))
+
+
+def _orig_names(plist: parametrize.ParametrizationList, name: str) -> str:
+    base = name.rsplit(".", 1)
+    prefix = f"{base[0]}.parametrizations.{base[-1]}" if len(base) == 2 else f"parametrizations.{name}"
+    if plist.is_tensor:
+        return f"'{prefix}.original'"
+    return ", ".join(f"'{prefix}.original{i}'" for i in range(plist.ntensors))

@@ -1,0 +1,314 @@
+"""Batch normalization whose running statistics are updated through ``pu.assign``.
+
+``pu.nn.BatchNorm1d/2d/3d`` (and ``pu.nn.SyncBatchNorm``) are drop-in
+subclasses of their ``torch.nn`` counterparts: same constructor arguments,
+same parameters, buffers and ``state_dict`` keys, same outputs and gradients.
+Only the way the running statistics change differs. In train mode with
+``track_running_stats=True`` a forward issues, under ``pu.when(self.training)``:
+
+* ``num_batches_tracked <- num_batches_tracked + 1``
+* ``running_mean <- (1 - a) * running_mean + a * mean_B(x)``
+* ``running_var  <- (1 - a) * running_var  + a * var_B(x) * n / (n - 1)``
+
+with ``a = momentum``, or ``a = 1 / num_batches_tracked`` (the value after
+the increment: a cumulative average) when ``momentum=None``. ``mean_B`` and
+``var_B`` are the statistics of the batch over every dimension but the
+channel one, ``n`` the number of values per channel.
+
+The updates are auxiliary (phase ``auxiliary``: after the gradient update,
+rule 4). Inside a step they are recorded and nothing is written before
+commit (rule 2); later forwards in the same step (gradient accumulation, a
+module called twice, a checkpoint recomputation under ``pu.checkpoint``)
+read the pending statistics (rule 1). Outside a step they apply at once, in
+place, exactly like ``torch.nn.BatchNorm*d`` (rule 8).
+
+On CPU the statistics are computed by PyTorch's own kernel (``F.batch_norm``
+on copies of the running buffers), so outputs, gradients and running
+statistics are bitwise those of ``torch.nn.BatchNorm*d``. Under a
+``torch.func`` transform (``vmap``, ``grad``, ...) an out-of-place path
+computes the same formulas with ``torch.var_mean`` (equal to rounding).
+
+``sync_stats=True`` issues the two statistics updates with ``sync="mean"``:
+at commit every rank's pending statistics are averaged across the default
+process group (rule 9), so all ranks commit the same running statistics
+instead of DDP's ``broadcast_buffers`` keeping rank 0's. The normalization
+itself still uses the local batch (use ``pu.nn.SyncBatchNorm`` for global
+batch statistics).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import _state, conditions
+from ..conditions import when
+from ..integrations.checkpoint import _torch_checkpoint_frame
+from ..updates import assign, assign_add
+
+__all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "UpdateSafeBatchNorm"]
+
+
+def _nothing_records() -> bool:
+    """True when an update issued now would simply apply in place: no step, attachment,
+    condition, checkpoint segment, recomputation, transform or compilation is active."""
+    if _state.explicit or _state.attachments or _state.replay is not None or _state.eager_log is not None:
+        return False
+    if conditions.current() is not None or torch.compiler.is_compiling():
+        return False
+    if torch._C._functorch.maybe_current_level() is not None:
+        return False
+    return _torch_checkpoint_frame() is None
+
+
+def _under_functorch() -> bool:
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._functorch.maybe_current_level() is not None
+
+
+class UpdateSafeBatchNorm:
+    """Mixin over ``torch.nn.modules.batchnorm._BatchNorm``: the forward issues updates.
+
+    Subclasses list it first so that its ``forward`` and ``reset_running_stats`` win.
+    """
+
+    sync_stats: bool
+    momentum: float | None
+    eps: float
+    training: bool
+    track_running_stats: bool
+    running_mean: Tensor | None
+    running_var: Tensor | None
+    num_batches_tracked: Tensor | None
+    weight: Tensor | None
+    bias: Tensor | None
+
+    def _init_sync(self, sync_stats: bool) -> None:
+        if not isinstance(sync_stats, bool):
+            raise TypeError(f"sync_stats must be a bool, got {type(sync_stats).__name__}")
+        self.sync_stats = sync_stats
+
+    def extra_repr(self) -> str:  # noqa: D102 - as torch, plus sync_stats
+        s = super().extra_repr()  # type: ignore[misc]
+        return s + (", sync_stats=True" if self.sync_stats else "")
+
+    def reset_running_stats(self) -> None:
+        """``running_mean <- 0``, ``running_var <- 1``, ``num_batches_tracked <- 0`` through assign.
+
+        Inside a step the reset is pending like any other update (later
+        forwards of the step read the reset values); outside, it applies at once.
+        """
+        if self.track_running_stats:
+            assign(self.running_mean, 0.0)
+            assign(self.running_var, 1.0)
+            assign(self.num_batches_tracked, 0)
+
+    # ------------------------------------------------------------------
+    def _factor(self) -> float:
+        """Issue the counter update; return the averaging factor ``a``."""
+        if self.num_batches_tracked is not None:
+            assign_add(self.num_batches_tracked, 1)
+            if self.momentum is None:
+                # the pending (incremented) count: read-your-writes through the buffer slot
+                return 1.0 / float(self.num_batches_tracked)
+        return 0.0 if self.momentum is None else float(self.momentum)
+
+    def _sync(self) -> str | None:
+        return "mean" if self.sync_stats else None
+
+    def _train_with_stats(self, input: Tensor, factor: float) -> Tensor:
+        """Normalize with the batch statistics and issue the running-statistics updates."""
+        rm, rv = self.running_mean, self.running_var
+        assert rm is not None and rv is not None
+        if _under_functorch():
+            out, new_mean, new_var = self._functional_stats(input, rm, rv, factor)
+        else:
+            # PyTorch's kernel updates copies of the running buffers in place;
+            # the copies become the pending values (bitwise torch's result).
+            new_mean = rm.clone()
+            new_var = rv.clone()
+            out = F.batch_norm(input, new_mean, new_var, self.weight, self.bias, True, factor, self.eps)
+        sync = self._sync()
+        assign(rm, new_mean, sync=sync)
+        assign(rv, new_var, sync=sync)
+        return out
+
+    def _functional_stats(self, input: Tensor, rm: Tensor, rv: Tensor, factor: float) -> tuple[Tensor, Tensor, Tensor]:
+        """Out-of-place statistics for ``torch.func`` (vmap cannot write into unbatched copies)."""
+        dims = [0, *range(2, input.dim())]
+        x = input.detach()
+        var, mean = torch.var_mean(x, dim=dims, correction=0)
+        n = x.numel() // x.size(1)
+        unbiased = var * (n / max(n - 1, 1))
+        new_mean = rm * (1.0 - factor) + mean.to(rm.dtype) * factor
+        new_var = rv * (1.0 - factor) + unbiased.to(rv.dtype) * factor
+        out = F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
+        return out, new_mean, new_var
+
+    def _eager_in_place(self, input: Tensor) -> Tensor:
+        """What eager ``assign`` would do (rule 8), without its per-call cost: PyTorch's own
+        in-place update of the buffers. Used only when nothing could record or replay it."""
+        rm, rv, nbt = self.running_mean, self.running_var, self.num_batches_tracked
+        factor = 0.0 if self.momentum is None else float(self.momentum)
+        if nbt is not None:
+            with torch.no_grad():
+                nbt.add_(1)
+            if self.momentum is None:
+                factor = 1.0 / float(nbt)
+        return F.batch_norm(input, rm, rv, self.weight, self.bias, True, factor, self.eps)
+
+    def forward(self, input: Tensor) -> Tensor:
+        """As ``torch.nn.BatchNorm*d.forward``; running statistics change through assign."""
+        self._check_input_dim(input)  # type: ignore[attr-defined]
+        if self.training and self.track_running_stats:
+            if _nothing_records():
+                return self._eager_in_place(input)
+            with when(self.training):
+                factor = self._factor()
+                return self._train_with_stats(input, factor)
+        # train mode without tracking, or eval mode: nothing is updated
+        bn_training = self.training or (self.running_mean is None and self.running_var is None)
+        use_buffers = not self.training
+        return F.batch_norm(
+            input,
+            self.running_mean if use_buffers else None,
+            self.running_var if use_buffers else None,
+            self.weight,
+            self.bias,
+            bn_training,
+            0.0,
+            self.eps,
+        )
+
+
+class BatchNorm1d(UpdateSafeBatchNorm, nn.BatchNorm1d):
+    """``torch.nn.BatchNorm1d`` with running statistics updated through ``pu.assign``.
+
+    Same arguments and ``state_dict`` as ``torch.nn.BatchNorm1d``, plus
+    ``sync_stats`` (average the statistics across ranks at commit). See the
+    module docstring for the math and the ordering rule (phase ``auxiliary``).
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        device: Any = None,
+        dtype: Any = None,
+        *,
+        sync_stats: bool = False,
+    ) -> None:
+        nn.BatchNorm1d.__init__(self, num_features, eps, momentum, affine, track_running_stats, device, dtype)
+        self._init_sync(sync_stats)
+
+
+class BatchNorm2d(UpdateSafeBatchNorm, nn.BatchNorm2d):
+    """``torch.nn.BatchNorm2d`` with running statistics updated through ``pu.assign``.
+
+    Same arguments and ``state_dict`` as ``torch.nn.BatchNorm2d``, plus
+    ``sync_stats`` (average the statistics across ranks at commit). See the
+    module docstring for the math and the ordering rule (phase ``auxiliary``).
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        device: Any = None,
+        dtype: Any = None,
+        *,
+        sync_stats: bool = False,
+    ) -> None:
+        nn.BatchNorm2d.__init__(self, num_features, eps, momentum, affine, track_running_stats, device, dtype)
+        self._init_sync(sync_stats)
+
+
+class BatchNorm3d(UpdateSafeBatchNorm, nn.BatchNorm3d):
+    """``torch.nn.BatchNorm3d`` with running statistics updated through ``pu.assign``.
+
+    Same arguments and ``state_dict`` as ``torch.nn.BatchNorm3d``, plus
+    ``sync_stats`` (average the statistics across ranks at commit). See the
+    module docstring for the math and the ordering rule (phase ``auxiliary``).
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        device: Any = None,
+        dtype: Any = None,
+        *,
+        sync_stats: bool = False,
+    ) -> None:
+        nn.BatchNorm3d.__init__(self, num_features, eps, momentum, affine, track_running_stats, device, dtype)
+        self._init_sync(sync_stats)
+
+
+class SyncBatchNorm(UpdateSafeBatchNorm, nn.SyncBatchNorm):
+    """``torch.nn.SyncBatchNorm`` with running statistics updated through ``pu.assign``.
+
+    When a process group with more than one rank is initialized and the
+    module trains, the batch statistics are gathered across ranks by
+    PyTorch's own ``SyncBatchNorm`` function (on copies of the running
+    buffers), so every rank issues the same running-statistics update.
+    Otherwise it behaves as :class:`BatchNorm2d` for inputs of any rank >= 2.
+    ``sync_stats=True`` additionally averages the pending statistics at
+    commit (useful only when ranks could differ).
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_group: Any = None,
+        device: Any = None,
+        dtype: Any = None,
+        *,
+        sync_stats: bool = False,
+    ) -> None:
+        nn.SyncBatchNorm.__init__(
+            self, num_features, eps, momentum, affine, track_running_stats, process_group, device, dtype
+        )
+        self._init_sync(sync_stats)
+
+    def _world(self) -> tuple[Any, int] | None:
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        group = self.process_group or dist.group.WORLD
+        world = dist.get_world_size(group)
+        return (group, world) if world > 1 else None
+
+    def _train_with_stats(self, input: Tensor, factor: float) -> Tensor:
+        world = self._world()
+        if world is None:
+            return super()._train_with_stats(input, factor)
+        from torch.nn.modules._functions import SyncBatchNorm as _SyncFn
+
+        rm, rv = self.running_mean, self.running_var
+        assert rm is not None and rv is not None
+        new_mean, new_var = rm.clone(), rv.clone()
+        out = _SyncFn.apply(input, self.weight, self.bias, new_mean, new_var, self.eps, factor, world[0], world[1])
+        assign(rm, new_mean, sync=self._sync())
+        assign(rv, new_var, sync=self._sync())
+        return out
+
+    def forward(self, input: Tensor) -> Tensor:  # noqa: D102 - see class docstring
+        self._check_non_zero_input_channels(input)
+        return super().forward(input)

@@ -1,0 +1,188 @@
+"""pu.nn.BatchNorm*d equals torch.nn.BatchNorm*d bitwise where PyTorch is right.
+
+Every case runs the torch module and the pu module side by side from the
+same state on the same data and compares outputs, input and parameter
+gradients and every buffer bitwise (CPU).
+"""
+
+import pytest
+import torch
+from torch import nn
+
+import paramupdates as pu
+
+from conftest import bits
+
+CASES = [
+    (nn.BatchNorm1d, pu.nn.BatchNorm1d, (8, 4)),
+    (nn.BatchNorm1d, pu.nn.BatchNorm1d, (8, 4, 5)),
+    (nn.BatchNorm2d, pu.nn.BatchNorm2d, (6, 4, 5, 3)),
+    (nn.BatchNorm3d, pu.nn.BatchNorm3d, (4, 4, 3, 2, 3)),
+]
+
+
+def _pair(tcls, pcls, momentum, affine, track):
+    ref = tcls(4, momentum=momentum, affine=affine, track_running_stats=track)
+    mod = pcls(4, momentum=momentum, affine=affine, track_running_stats=track)
+    with torch.no_grad():
+        if affine:
+            ref.weight.uniform_(0.5, 1.5)
+            ref.bias.uniform_(-0.5, 0.5)
+        if track:
+            ref.running_mean.uniform_(-1, 1)
+            ref.running_var.uniform_(0.5, 2)
+            ref.num_batches_tracked.fill_(3)
+    mod.load_state_dict(ref.state_dict())
+    return ref, mod
+
+
+def _assert_bits(a, b, what):
+    assert a.dtype == b.dtype and a.shape == b.shape, what
+    assert torch.equal(bits(a), bits(b)), what
+
+
+def _assert_modules(ref, mod):
+    rs, ms = ref.state_dict(), mod.state_dict()
+    assert list(rs) == list(ms)
+    for k in rs:
+        _assert_bits(rs[k], ms[k], k)
+    for (k, p), (_, q) in zip(ref.named_parameters(), mod.named_parameters()):
+        if p.grad is not None or q.grad is not None:
+            _assert_bits(p.grad, q.grad, f"{k}.grad")
+
+
+def _run(module, xs, train, stepper_cls=None):
+    module.train(train)
+    outs, grads = [], []
+    for x in xs:
+        x = x.clone().requires_grad_(True)
+        if stepper_cls is None:
+            y = module(x)
+            (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        else:
+            with pu.step(module):
+                y = module(x)
+                (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        outs.append(y.detach())
+        grads.append(x.grad)
+    return outs, grads
+
+
+@pytest.mark.parametrize("tcls,pcls,shape", CASES, ids=lambda c: getattr(c, "__name__", str(c)))
+@pytest.mark.parametrize("momentum", [0.1, None])
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("track", [True, False])
+@pytest.mark.parametrize("train", [True, False])
+@pytest.mark.parametrize("in_step", [False, True])
+def test_batchnorm_bitwise_equal_to_torch(tcls, pcls, shape, momentum, affine, track, train, in_step):
+    ref, mod = _pair(tcls, pcls, momentum, affine, track)
+    xs = [torch.randn(shape) * 3 + 1 for _ in range(3)]
+    ro, rg = _run(ref, xs, train)
+    mo, mg = _run(mod, xs, train, pu.step if in_step else None)
+    for i in range(3):
+        _assert_bits(ro[i], mo[i], f"output {i}")
+        _assert_bits(rg[i], mg[i], f"input grad {i}")
+    _assert_modules(ref, mod)
+
+
+def test_state_dict_keys_and_round_trip():
+    ref, mod = _pair(nn.BatchNorm2d, pu.nn.BatchNorm2d, 0.1, True, True)
+    assert list(ref.state_dict()) == list(mod.state_dict()) == [
+        "weight", "bias", "running_mean", "running_var", "num_batches_tracked"]
+    back = nn.BatchNorm2d(4)
+    back.load_state_dict(mod.state_dict())
+    _assert_modules(ref, back)
+    assert isinstance(mod, nn.BatchNorm2d)  # a drop-in subclass
+
+
+def test_constructor_arguments_match_torch():
+    m = pu.nn.BatchNorm1d(3, 1e-3, 0.3, False, True, dtype=torch.float64)
+    assert (m.eps, m.momentum, m.affine, m.track_running_stats) == (1e-3, 0.3, False, True)
+    assert m.running_mean.dtype == torch.float64 and m.weight is None
+    assert m.sync_stats is False and "sync_stats" not in repr(m)
+    assert "sync_stats=True" in repr(pu.nn.BatchNorm1d(3, sync_stats=True))
+    with pytest.raises(ValueError):
+        pu.nn.BatchNorm2d(3)(torch.randn(2, 3))  # torch's own input check
+
+
+def test_no_write_before_commit_and_reads_see_pending():
+    """Rule 2 and rule 1 for the running statistics inside a step."""
+    mod = pu.nn.BatchNorm1d(4)
+    ref = nn.BatchNorm1d(4)
+    committed = mod.running_mean
+    version = committed._version
+    x1, x2 = torch.randn(8, 4), torch.randn(8, 4)
+    with pu.step(mod):
+        mod(x1)
+        assert torch.equal(committed, torch.zeros(4)) and committed._version == version
+        ref(x1)
+        _assert_bits(mod.running_mean, ref.running_mean, "pending value read through the module")
+        mod(x2)  # the second forward of the step starts from the pending statistics
+        ref(x2)
+        assert int(mod.num_batches_tracked) == 2
+    assert mod.running_mean is committed  # the committed tensor object is kept
+    _assert_modules(ref, mod)
+
+
+def test_sync_stats_issues_mean_synced_updates():
+    mod = pu.nn.BatchNorm1d(4, sync_stats=True)
+    s = pu.Stepper(mod)
+    s.run(mod, torch.randn(8, 4))
+    ops = {r.target: r.op for r in s.schedule()}
+    assert ops == {"num_batches_tracked": "assign_add", "running_mean": "assign sync=mean",
+                   "running_var": "assign sync=mean"}
+
+
+def test_schedule_origin_is_the_module():
+    mod = pu.nn.BatchNorm1d(4)
+    s = pu.Stepper(mod)
+    s.run(mod, torch.randn(8, 4))
+    assert [r.phase for r in s.schedule()] == ["auxiliary"] * 3
+    assert all("paramupdates/nn/batchnorm.py:" in r.origin for r in s.schedule())
+
+
+def test_reset_running_stats_in_a_step_is_pending():
+    mod = pu.nn.BatchNorm1d(4)
+    mod(torch.randn(8, 4))
+    committed = mod.running_mean
+    before = committed.clone()
+    with pu.step(mod):
+        mod.reset_running_stats()
+        assert torch.equal(mod.running_mean, torch.zeros(4))  # the read sees the reset
+        assert torch.equal(committed, before)  # storage untouched until commit
+    assert torch.equal(mod.running_mean, torch.zeros(4)) and int(mod.num_batches_tracked) == 0
+    mod(torch.randn(8, 4))
+    with pytest.raises(RuntimeError, match="boom"), pu.step(mod):
+        mod.reset_running_stats()
+        raise RuntimeError("boom")
+    assert not torch.equal(mod.running_mean, torch.zeros(4)) and not torch.equal(before, mod.running_mean)
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_tensor_condition_gates_the_statistics(flag):
+    """Rule 6 inside the module: pu.when(tensor) around a forward -> where(pred, new, old)."""
+    ref, mod = _pair(nn.BatchNorm1d, pu.nn.BatchNorm1d, None, True, True)
+    x = torch.randn(8, 4)
+    before = {k: v.clone() for k, v in mod.state_dict().items()}
+    with pu.step(mod), pu.when(torch.tensor(flag)):
+        y = mod(x)
+    assert torch.equal(bits(y), bits(ref(x)))  # the output never depends on the condition
+    if flag:
+        _assert_modules(ref, mod)
+    else:
+        for k, v in mod.state_dict().items():
+            _assert_bits(v, before[k], k)
+
+
+def test_eval_forward_in_the_same_step_reads_pending_statistics():
+    ref, mod = _pair(nn.BatchNorm1d, pu.nn.BatchNorm1d, 0.1, True, True)
+    x1, x2 = torch.randn(8, 4), torch.randn(8, 4)
+    ref(x1)
+    ref.eval()
+    y_ref = ref(x2)
+    with pu.step(mod):
+        mod(x1)
+        mod.eval()
+        y = mod(x2)  # normalizes with the statistics x1 left pending (rule 1)
+    _assert_bits(y_ref, y, "eval output")
+    _assert_modules(ref, mod)

@@ -1,0 +1,118 @@
+"""torch.func with pu batch norm in train mode: updates come back as values (pu.func)."""
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call, grad, stack_module_state, vmap
+
+import paramupdates as pu
+
+from conftest import bits
+
+
+def _net(bn=pu.nn.BatchNorm1d):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), bn(4), nn.ReLU(), nn.Linear(4, 1))
+
+
+def _state(net):
+    return {k: v.detach().clone() for k, v in net.named_parameters()}, {k: v.clone() for k, v in net.named_buffers()}
+
+
+def test_functional_call_returns_updates_and_writes_nothing():
+    net, ref = _net(), _net(nn.BatchNorm1d)
+    params, buffers = _state(net)
+    before = {k: v.clone() for k, v in buffers.items()}
+    x = torch.randn(8, 3)
+    out, new = pu.func.functional_call(net, {**params, **buffers}, (x,))
+    assert sorted(new) == ["1.num_batches_tracked", "1.running_mean", "1.running_var"]
+    for k in buffers:  # neither the tensors passed in nor the module's own were written
+        assert torch.equal(buffers[k], before[k]) and torch.equal(dict(net.named_buffers())[k], before[k])
+    y = ref(x)  # torch's in-place version, same numbers (bitwise: the plain path is torch's kernel)
+    assert torch.equal(bits(out), bits(y))
+    for k, v in ref.named_buffers():
+        assert torch.equal(bits(new[k]), bits(v))
+    pu.func.commit(net, new)  # the caller commits (eagerly here: no step in progress)
+    for k, v in ref.named_buffers():
+        assert torch.equal(bits(dict(net.named_buffers())[k]), bits(v))
+
+
+def test_commit_inside_a_step_is_pending_until_commit():
+    net = _net()
+    params, buffers = _state(net)
+    _, new = pu.func.functional_call(net, {**params, **buffers}, (torch.randn(8, 3),))
+    committed = net[1].running_mean.clone()
+    with pu.step(net) as s:
+        pu.func.commit(net, new)
+        assert torch.equal(net[1]._buffers["running_mean"], new["1.running_mean"])  # read-your-writes
+        assert torch.equal(s.model[1].running_mean, new["1.running_mean"])
+    assert not torch.equal(committed, net[1].running_mean)
+    assert torch.equal(net[1].running_mean, new["1.running_mean"])
+
+
+def test_grad_in_train_mode_returns_gradients_and_updates():
+    net, ref = _net(), _net(nn.BatchNorm1d)
+    params, buffers = _state(net)
+    x = torch.randn(8, 3)
+
+    def loss(p, b, x):
+        out, new = pu.func.functional_call(net, {**p, **b}, (x,))
+        return out.square().mean(), new
+
+    grads, new = grad(loss, has_aux=True)(params, buffers, x)
+    ref(x).square().mean().backward()
+    for k, p in ref.named_parameters():
+        torch.testing.assert_close(grads[k], p.grad, rtol=1e-6, atol=1e-7)
+    for k, v in ref.named_buffers():
+        torch.testing.assert_close(new[k], v, rtol=1e-6, atol=1e-7)
+
+
+def test_vmap_over_an_ensemble_in_train_mode():
+    """torch.func's documented case: vmap over models (stack_module_state) with batch norm.
+
+    torch.nn.BatchNorm1d mutates the stacked buffers passed in (a side effect
+    inside a transform); pu returns each member's statistics as an output."""
+    torch.manual_seed(0)
+    members = [nn.Sequential(nn.Linear(3, 4), pu.nn.BatchNorm1d(4)) for _ in range(3)]
+    refs = [nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)) for _ in range(3)]
+    for r, m in zip(refs, members):
+        r.load_state_dict(m.state_dict())
+    params, buffers = stack_module_state(members)
+    base = members[0]
+    x = torch.randn(3, 8, 3)
+
+    def f(p, b, x):
+        return pu.func.functional_call(base, {**p, **b}, (x,))
+
+    out, new = vmap(f)(params, buffers, x)
+    assert new["1.running_mean"].shape == (3, 4) and new["1.num_batches_tracked"].tolist() == [1, 1, 1]
+    for i, r in enumerate(refs):
+        torch.testing.assert_close(out[i], r(x[i]), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(new["1.running_mean"][i], r[1].running_mean, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(new["1.running_var"][i], r[1].running_var, rtol=1e-6, atol=1e-7)
+
+    assert torch.equal(buffers["1.running_mean"], torch.zeros(3, 4))  # inputs untouched: a pure function
+    # the contrast: torch's batch norm writes into the stacked buffers it was given
+    tparams, tbuffers = stack_module_state(refs)
+    vmap(lambda p, b, x: functional_call(refs[0], {**p, **b}, (x,)))(tparams, tbuffers, x)
+    assert not torch.equal(tbuffers["1.running_mean"], torch.zeros(3, 4))
+
+
+def test_vmap_over_data_with_shared_statistics():
+    """vmap over micro-batches with one set of buffers: one update per micro-batch comes back."""
+    net = _net()
+    params, buffers = _state(net)
+    xs = torch.randn(4, 8, 3)
+    out, new = vmap(lambda x: pu.func.functional_call(net, {**params, **buffers}, (x,)))(xs)
+    assert new["1.running_mean"].shape == (4, 4)
+    for i in range(4):
+        ref = _net(nn.BatchNorm1d)
+        ref(xs[i])
+        torch.testing.assert_close(new["1.running_mean"][i], ref[1].running_mean, rtol=1e-6, atol=1e-7)
+
+
+def test_torch_batchnorm_under_vmap_raises():
+    net = _net(nn.BatchNorm1d)
+    params, buffers = _state(net)
+    with pytest.raises(RuntimeError):
+        vmap(lambda x: functional_call(net, {**params, **buffers}, (x,)))(torch.randn(4, 8, 3))

@@ -61,7 +61,7 @@ def run(repeats: int = 5, steps: int = 4) -> list[dict]:
             "ratio": r,
             "goal": None,
             "note": (
-                f"{r.s * 1e3:.1f} vs {r.base_s * 1e3:.1f} ms/step; after {n} steps "
+                f"ratio of minima {r.of_min:.3f}; {r.s * 1e3:.1f} vs {r.base_s * 1e3:.1f} ms/step; after {n} steps "
                 f"num_batches_tracked: pu {int(m_p.blocks[0].bn1.num_batches_tracked)}, "
                 f"torch {int(m_t.blocks[0].bn1.num_batches_tracked)}"
             ),

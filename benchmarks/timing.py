@@ -50,6 +50,7 @@ class Ratio:
     hi: float
     base_s: float  # median seconds per call of the baseline
     s: float  # median seconds per call of the variant
+    of_min: float  # min(variant) / min(baseline): the best case of each, least touched by load
 
     def spread(self) -> str:
         return f"{self.lo:.3f}-{self.hi:.3f}"
@@ -59,5 +60,10 @@ def ratios(times: dict[str, list[float]], variant: str, baseline: str) -> Ratio:
     """Median and range of ``variant / baseline`` over repeats (paired by repeat)."""
     rs = [a / b for a, b in zip(times[variant], times[baseline])]
     return Ratio(
-        statistics.median(rs), min(rs), max(rs), statistics.median(times[baseline]), statistics.median(times[variant])
+        statistics.median(rs),
+        min(rs),
+        max(rs),
+        statistics.median(times[baseline]),
+        statistics.median(times[variant]),
+        min(times[variant]) / min(times[baseline]),
     )

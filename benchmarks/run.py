@@ -88,6 +88,9 @@ def _fmt(row: dict) -> tuple[str, str, str, str, str, str]:
     else:
         ok = med >= goal if better else med <= goal
         g = f"{'>=' if better else '<='} {goal:g} {'yes' if ok else 'NO'}"
+        r = row.get("ratio")
+        if r is not None and (r.lo <= goal <= r.hi):
+            g += " (noisy: the range spans the goal)"
     return row["bench"], row["variant"], f"{med:.3f}", spread, g, row.get("note", "")
 
 

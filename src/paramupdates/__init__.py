@@ -10,6 +10,9 @@ from .errors import AmbiguousOrderError, UpdateError
 from .integrations.checkpoint import checkpoint
 from .nn import convert, recompute_batchnorm_stats
 from .parameter import Parameter
+from .rules.constraints import clamp, constrain, max_norm, min_max_norm, non_neg, unit_norm
+from .rules.ema import ema
+from .rules.weight_decay import weight_decay
 from .schedule import Schedule, ScheduleEntry
 from .step import Attachment, Stepper, attach, step
 from .updates import assign, assign_add, assign_key, assign_sub, read
@@ -28,11 +31,19 @@ __all__ = [
     "assign_sub",
     "attach",
     "checkpoint",
+    "clamp",
+    "constrain",
     "convert",
+    "ema",
     "func",
+    "max_norm",
+    "min_max_norm",
     "nn",
+    "non_neg",
     "read",
     "recompute_batchnorm_stats",
     "step",
+    "unit_norm",
+    "weight_decay",
     "when",
 ]

@@ -373,7 +373,7 @@ class Attachment(_Owner):
             tx.run_phase(BEFORE_GRAD)
             closure = kwargs.get("closure") if kwargs else (args[0] if args else None)
             tx.protect_optimizer(all_params=closure is not None)
-            tx._dirty.update(tx.opt_ids())
+            tx.mark_optimizer_written()
             tx.reinstall_overlay()  # reads in an LBFGS closure see the pending values (rule 1)
         except BaseException:
             self._abort()
@@ -392,6 +392,7 @@ class Attachment(_Owner):
                 self._last = self._plan
             else:
                 tx.done_phases.add("grad")
+                tx.stage_done(True)  # the optimizer's step, a fallible stage, is behind us
                 tx.remove_overlay()
                 for phase in (AFTER_GRAD, AUXILIARY, AFTER_STEP):
                     tx.run_phase(phase)

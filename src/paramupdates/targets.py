@@ -43,6 +43,7 @@ class ModelIndex:
     def __init__(self, model: nn.Module) -> None:
         self._model_ref = weakref.ref(model)
         self.by_id: dict[int, TargetInfo] = {}
+        self.generation = 0
         self.build()
 
     @property
@@ -63,6 +64,11 @@ class ModelIndex:
                     for attr, t in table.items():
                         if t is not None and id(t) not in by_id:
                             by_id[id(t)] = TargetInfo(weakref.ref(t), prefix + attr, mref, attr, kind)
+        old = self.by_id
+        if by_id.keys() != old.keys() or any(
+            old[k].ref() is not v.ref() or old[k].name != v.name for k, v in by_id.items()
+        ):
+            self.generation += 1  # what the model owns changed: cached ownership answers are stale
         self.by_id = by_id
 
     def lookup(self, t: torch.Tensor) -> TargetInfo | None:
@@ -75,6 +81,17 @@ class ModelIndex:
         if info is not None and info.ref() is t:
             return info
         return None
+
+    def owns_any(self, tensors: list[torch.Tensor]) -> bool:
+        """Whether the model owns any of ``tensors`` (one rebuild at most, not one per miss)."""
+        by_id = self.by_id
+        for t in tensors:
+            info = by_id.get(id(t))
+            if info is not None and info.ref() is t:
+                return True
+        self.build()
+        by_id = self.by_id
+        return any((i := by_id.get(id(t))) is not None and i.ref() is t for t in tensors)
 
     def name_of(self, t: torch.Tensor) -> str | None:
         info = self.lookup(t)

@@ -24,9 +24,15 @@ Commit (rules 4, 7)
     2. ``before_grad`` -> the optimizer's step -> ``after_grad`` ->
        ``auxiliary`` -> ``after_step``: in each phase the declared rules (in
        declaration order), then the recorded updates (in issue order);
-    3. before a tensor is first written, it is snapshotted (one flat copy per
-       device and dtype; the optimizer's parameters and state likewise), so an
-       exception anywhere in the commit restores every tensor bitwise.
+    3. before a tensor is first written, it is snapshotted (one
+       ``torch._foreach_clone`` per device and dtype; the optimizer's
+       parameters and state likewise), so an exception in the commit restores
+       every tensor bitwise. Snapshots are taken only while a *fallible* stage
+       is still to come (the optimizer's step, a rule that does not declare
+       itself ``infallible``, e.g. a user-callable constraint): what is written
+       after the last fallible stage cannot be undone by a failure, because no
+       failure can follow it. Every rule's :meth:`Rule.check` runs before the
+       first write, so a built-in rule fails (if at all) before anything moves.
 
     A target whose updates all lie in one phase and that nothing else wrote
     before that phase takes its pending value as is: one ``torch._foreach_copy_``
@@ -169,11 +175,16 @@ class Transaction:
         self.state = "open"  # open -> committing -> closed
         self.done_phases: set[str] = set()
         self._opt_ids: set[int] | None = None
-        self._protected: set[tuple] = set()
-        self._snapshots: list[tuple[list[torch.Tensor], torch.Tensor]] = []
+        self._protected: set[int] = set()
+        self._snapshots: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+        # Fallible stages (optimizer step, rules not declared infallible) still to run.
+        self._fallible_left = 1 << 30
         self._opt_saved: dict[int, tuple[torch.Tensor, dict | None]] | None = None
         self._rule_saved: list[tuple[Rule, Any]] = []
         self._dirty: set[int] = set()
+        # Written tensors not yet added to _dirty (None: the optimizer's parameters); added only
+        # when a phase has recorded entries to classify, so rules over many tensors cost nothing here.
+        self._dirty_pending: list[list[torch.Tensor] | None] = []
         self.rules: list[Rule] = []
         self.skipped = False
 
@@ -337,7 +348,27 @@ class Transaction:
     # plan
     # ------------------------------------------------------------------
     def collect_rules(self) -> None:
-        self.rules = rules_for(self.index)
+        """The declared rules of this step.
+
+        A rule with ``per_optimizer_update`` (weight decay, constraints, EMA)
+        runs once per real optimizer update (DESIGN rule 1): a step without an
+        optimizer (``pu.step(model)``, ``Attachment.flush()``, micro-batch
+        steps of gradient accumulation) does not apply it.
+        """
+        rules = rules_for(self.index)
+        if self.optimizer is None:
+            rules = [r for r in rules if not r.per_optimizer_update]
+        self.rules = rules
+
+    def _count_fallible(self) -> None:
+        n = 1 if self.optimizer is not None else 0
+        n += sum(1 for r in self.rules if not r.infallible)
+        self._fallible_left = n
+
+    def stage_done(self, fallible: bool) -> None:
+        """Mark one stage of the commit as run (a fallible one lowers the count)."""
+        if fallible:
+            self._fallible_left -= 1
 
     def schedule(self) -> Schedule:
         rows: list[ScheduleEntry] = []
@@ -366,6 +397,7 @@ class Transaction:
         self.state = "committing"
         self.remove_overlay()
         self.collect_rules()
+        self._count_fallible()
         synced = [e for e in self.entries.values() if any(r.sync for r in e.records)]
         if synced:
             from .integrations.distributed import sync_entries
@@ -384,6 +416,10 @@ class Transaction:
                     f"{self.label}: non-finite pending value for {lines}. Nothing was written. "
                     "Fix the value, or pass on_nonfinite='skip' to drop such steps (they are counted)."
                 )
+        if self.rules:
+            ctx = CommitContext(self)
+            for rule in self.rules:
+                rule.check(ctx)  # before any write: a rule that cannot run fails here
         return True
 
     def _nonfinite(self) -> list[Entry]:
@@ -405,24 +441,24 @@ class Transaction:
 
     # --- snapshots ------------------------------------------------------
     def protect(self, tensors: list[torch.Tensor]) -> None:
-        """Snapshot tensors not yet snapshotted in this commit (before their first write)."""
-        if not self.atomic:
+        """Snapshot tensors not yet snapshotted in this commit (before their first write).
+
+        Nothing is copied once no fallible stage is left (see the module
+        docstring). Tensors are keyed by identity; a tensor and an alias of
+        its memory may both be snapshotted, which is harmless because
+        :meth:`rollback` restores in reverse order (the oldest copy wins).
+        """
+        if not self.atomic or self._fallible_left <= 0:
             return
-        fresh = []
-        for t in tensors:
-            # Keyed by the memory written, so that a tensor and its detached
-            # alias are one; a tensor is snapshotted once, before its first write.
-            key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
-            if key not in self._protected:
-                self._protected.add(key)
-                fresh.append(_plain(t).detach())
+        seen = self._protected
+        fresh = [t for t in tensors if id(t) not in seen]
         if not fresh:
             return
-        grouped = _group_tensors_by_device_and_dtype([fresh])
-        with torch.no_grad():
+        seen.update(map(id, fresh))
+        with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+            grouped = _group_tensors_by_device_and_dtype([fresh])
             for _k, ([ts], _) in grouped.items():
-                flat = torch.cat([t.reshape(-1) for t in ts]) if len(ts) > 1 else ts[0].reshape(-1).clone()
-                self._snapshots.append((list(ts), flat))
+                self._snapshots.append((list(ts), _clone_all(ts)))
 
     def protect_optimizer(self, all_params: bool) -> None:
         opt = self.optimizer
@@ -447,11 +483,9 @@ class Transaction:
 
     def rollback(self) -> None:
         """Restore every snapshotted tensor, the optimizer state and the rules' counters."""
-        with torch.no_grad():
-            for ts, flat in self._snapshots:
-                parts = flat.split([t.numel() for t in ts])
-                for t, v in zip(ts, parts):
-                    t.copy_(v.view(t.shape))
+        with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+            for ts, copies in reversed(self._snapshots):
+                torch._foreach_copy_(ts, copies)
         if self._opt_saved is not None and self.optimizer is not None:
             state = self.optimizer.state
             for p, st in self._opt_saved.values():
@@ -472,10 +506,13 @@ class Transaction:
                 self.protect(written)
                 with torch.no_grad():
                     rule.apply(ctx)
-                self._dirty.update(id(t) for t in written)
+                self._dirty_pending.append(written)
+                self.stage_done(not rule.infallible)
         fast_dst: list[torch.Tensor] = []
         fast_src: list[torch.Tensor] = []
         slow: list[Entry] = []
+        if self.entries:
+            self._flush_dirty()
         for e in self.entries.values():
             phases = e.phases()
             if phase not in phases:
@@ -510,9 +547,18 @@ class Transaction:
         if self.optimizer is not None:
             self.protect_optimizer(all_params=closure is not None)
             out = self.optimizer.step() if closure is None else self.optimizer.step(closure)
-            self._dirty.update(self.opt_ids())
+            self.mark_optimizer_written()
+            self.stage_done(True)
         self.done_phases.add(GRAD)
         return out
+
+    def mark_optimizer_written(self) -> None:
+        self._dirty_pending.append(None)
+
+    def _flush_dirty(self) -> None:
+        for ts in self._dirty_pending:
+            self._dirty.update(self.opt_ids() if ts is None else map(id, ts))
+        self._dirty_pending.clear()
 
     def finish(self) -> None:
         self.state = "closed"
@@ -528,6 +574,14 @@ def _adopt_torch_segment() -> None:
 
         _ADOPT = adopt_torch_segment
     _ADOPT()
+
+
+def _clone_all(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Bitwise copies of ``ts`` (one foreach call where available)."""
+    clone = getattr(torch, "_foreach_clone", None)
+    if clone is not None:
+        return list(clone(ts))
+    return [t.clone() for t in ts]  # pragma: no cover - torch without _foreach_clone
 
 
 def route(t: torch.Tensor, origin: str, op: str) -> tuple[Transaction | None, Entry | None]:

@@ -30,14 +30,27 @@ class Rule:
     Subclasses set ``phase`` and ``kind`` and implement :meth:`tensors`
     (what the rule writes: used for ownership and rollback) and
     :meth:`apply` (the in-place math, under ``torch.no_grad()``).
+
+    ``infallible``: a rule whose :meth:`apply` cannot raise once :meth:`check`
+    has passed (inputs validated, foreach math on matching tensors) sets it to
+    ``True``; the commit then needs no snapshot for what it writes when no
+    fallible stage (the optimizer step, a rule that is not infallible) follows.
+    Leave it ``False`` for anything that runs user code.
+
+    ``per_optimizer_update``: the rule belongs to the gradient update and runs
+    only in steps that have an optimizer (once per real optimizer update,
+    never per micro-batch); ``False`` runs it in every committed step.
     """
 
     phase: str = ""
     kind: str = "rule"
+    infallible: bool = False
+    per_optimizer_update: bool = False
 
     def __init__(self, origin: str) -> None:
         self.origin = origin
         self.seq = next(_SEQ)
+        self._owned: weakref.WeakKeyDictionary[ModelIndex, tuple[int, bool]] = weakref.WeakKeyDictionary()
 
     # --- ownership -------------------------------------------------------
     def tensors(self) -> list[torch.Tensor]:
@@ -49,18 +62,35 @@ class Rule:
         return self.tensors()
 
     def applies_to(self, index: ModelIndex) -> bool:
-        return any(index.lookup(t) is not None for t in self.owner_tensors())
+        """Whether ``index``'s model owns any of :meth:`owner_tensors` (cached per index build)."""
+        hit = self._owned.get(index)
+        if hit is not None and hit[0] == index.generation:
+            return hit[1]
+        owned = index.owns_any(self.owner_tensors())
+        self._owned[index] = (index.generation, owned)
+        return owned
+
+    def remove(self) -> None:
+        """Undeclare this rule: no later step applies it."""
+        unregister(self)
 
     def alive(self) -> bool:
         return True
 
     # --- commit ----------------------------------------------------------
+    def check(self, ctx: CommitContext) -> None:
+        """Validate before the commit writes anything (raise :class:`UpdateError` to refuse the step)."""
+
     def apply(self, ctx: CommitContext) -> None:
         raise NotImplementedError
 
     def rows(self, index: ModelIndex) -> list[ScheduleEntry]:
-        names = [index.name_of(t) or "?" for t in self.tensors()]
-        target = names[0] if len(names) == 1 else f"{len(names)} tensors ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+        ts = self.tensors()
+        names = [index.name_of(t) or "?" for t in ts[:3]]
+        if len(ts) == 1:
+            target = names[0]
+        else:
+            target = f"{len(ts)} tensors ({', '.join(names)}{', ...' if len(ts) > 3 else ''})"
         return [ScheduleEntry(self.phase, target, self.kind, "-", self.origin)]
 
     # --- state (save/resume, rollback) ---------------------------------

@@ -1,0 +1,426 @@
+"""``pu.constrain`` and the constraints of Keras: phase ``after_grad``.
+
+A constraint is a projection ``w -> c(w)`` applied after ``optimizer.step()``
+(phase ``after_grad``), once per optimizer update, to every tensor it is
+declared on. Several constraints on one tensor apply in declaration order.
+
+Axis convention (``dim``). The norm constraints compute one norm per index
+along ``dim``, over all the *other* dims, like ``torch.nn.utils.weight_norm``
+(``dim=None``: one norm over the whole tensor). With the default ``dim=0``:
+
+* ``nn.Linear.weight`` (``(out, in)``): one norm per output unit, over its
+  incoming weights. That is Keras' default: a ``Dense`` kernel is
+  ``(in, out)`` and ``MaxNorm(axis=0)`` reduces over ``in``.
+* ``nn.Conv2d.weight`` (``(out, in, kh, kw)``): one norm per filter, over
+  ``(in, kh, kw)``: Keras' ``MaxNorm(axis=[0, 1, 2])`` on a ``(kh, kw, in, out)`` kernel.
+* a 1-D tensor: one "norm" per element, ``|w_i|``; pass ``dim=None`` for the
+  norm of the whole vector (Keras' ``axis=0`` on a bias).
+
+Math (``n`` the L2 norm along the reduced dims, ``eps = 1e-7`` as Keras'
+``backend.epsilon()``):
+
+* ``max_norm(v)``:            ``w * clip(n, 0, v) / (eps + n)``
+* ``unit_norm()``:            ``w / (eps + n)``
+* ``min_max_norm(a, b, r)``:  ``w * (r * clip(n, a, b) + (1 - r) * n) / (eps + n)``
+* ``non_neg()``:              ``w * (w >= 0)``  (negative entries become ``+0.0``; Keras gives ``-0.0``)
+* ``clamp(a, b)``:            ``clamp(w, a, b)``
+* a callable ``f``:           ``f(w)`` (validated: same shape and device, castable dtype)
+
+Each constraint has a readable reference path (``c(w)``, out of place, the
+Keras formula) and a foreach path (``c.apply_(tensors, plan)``, in place),
+per device, dtype and rank: the norms, then the factors of the whole group in
+one pass over the concatenated norms, then one ``torch._foreach_mul_``.
+PyTorch has no foreach norm along a dim, so the norms are computed
+
+* on accelerators (launch bound): in one ``segment_reduce`` over a
+  ``torch._chunk_cat`` of the group;
+* on CPU (memory bound, where that copy costs more than it saves): with one
+  ``torch.linalg.vector_norm`` per tensor, the only per-tensor call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+
+from .._origin import call_site
+from ..errors import UpdateError
+from ..schedule import AFTER_GRAD
+from ._common import WeakList, has_subclass, named_tensors, no_subclass, plain, refuse_inside_step, storage_key, where
+from .base import Rule, register
+
+if TYPE_CHECKING:
+    from ..transaction import CommitContext
+
+EPSILON = 1e-7  # keras.backend.epsilon()
+
+
+class Constraint:
+    """A projection ``w -> c(w)``: ``c(w)`` is the reference, ``c.apply_(ts)`` the foreach path."""
+
+    name = "constraint"
+    infallible = True  # the built-in ones; a user callable is not
+
+    def __call__(self, w: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def validate(self, name: str, t: torch.Tensor, origin: str) -> None:
+        """Raise if the constraint cannot apply to ``t`` (checked at declaration)."""
+
+    def plan(self, ts: list[torch.Tensor]) -> Any:
+        """Precompute what :meth:`apply_` needs for ``ts``: indices into ``ts``, never the tensors
+        (a rule must not keep them alive); rebuilt when any tensor's storage changes."""
+        keep = [i for i, t in enumerate(ts) if t.numel()]
+        sub = [ts[i] for i in keep]
+        return [[keep[j] for j in idx] for _k, (_, idx) in _group_tensors_by_device_and_dtype([sub], with_indices=True).items()] if sub else []
+
+    def apply_(self, ts: list[torch.Tensor], plan: Any) -> None:
+        """Apply in place to ``ts`` (the tensors :meth:`plan` saw)."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"pu.{self.name}()"
+
+
+class _Norm(Constraint):
+    """``w * factor(n)`` with ``n`` the L2 norm over every dim but ``dim``."""
+
+    def __init__(self, dim: int | None) -> None:
+        if dim is not None and not isinstance(dim, int):
+            raise TypeError(f"pu.{self.name}: dim must be an int or None, not {type(dim).__name__}")
+        self.dim = dim
+
+    def factor(self, n: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def validate(self, name: str, t: torch.Tensor, origin: str) -> None:
+        if not (t.is_floating_point() or t.is_complex()):
+            raise ValueError(f"pu.{self.name} at {origin}: {name!r} is {t.dtype}; norm constraints need floating point")
+        if t.is_complex():
+            raise ValueError(f"pu.{self.name} at {origin}: {name!r} is complex; not supported")
+        if self.dim is not None and t.ndim > 0 and not -t.ndim <= self.dim < t.ndim:
+            raise ValueError(f"pu.{self.name} at {origin}: dim={self.dim} is out of range for {name!r} of shape {tuple(t.shape)}")
+
+    def _dims(self, t: torch.Tensor) -> tuple[int, ...] | None:
+        if self.dim is None or t.ndim == 0:
+            return None
+        d = self.dim % t.ndim
+        return tuple(i for i in range(t.ndim) if i != d)
+
+    # reference: the Keras formula on one tensor
+    def norms(self, w: torch.Tensor) -> torch.Tensor:
+        dims = self._dims(w)
+        sq = w.square()
+        s = sq.sum() if dims is None else (sq.sum(dim=dims, keepdim=True) if dims else sq)
+        return s.sqrt()
+
+    def __call__(self, w: torch.Tensor) -> torch.Tensor:
+        return w * self.factor(self.norms(w))
+
+    # foreach path
+    def plan(self, ts: list[torch.Tensor]) -> Any:
+        whole: list[int] = []
+        by_rank: dict[tuple, list[int]] = {}
+        for i, t in enumerate(ts):
+            if t.numel() == 0:
+                continue  # nothing to constrain (and _chunk_cat refuses empty tensors)
+            if self.dim is None or t.ndim == 0:
+                whole.append(i)
+            else:
+                by_rank.setdefault((t.device, t.dtype, t.ndim, self.dim % t.ndim), []).append(i)
+        rows = []
+        for (dev, _dt, nd, d), idx in by_rank.items():
+            counts = [ts[i].shape[d] for i in idx]
+            per_row = [ts[i].numel() // ts[i].shape[d] if ts[i].shape[d] else 0 for i in idx]
+            lengths = torch.tensor(per_row, dtype=torch.long).repeat_interleave(torch.tensor(counts)).to(dev)
+            rows.append((idx, d, counts, lengths, nd))
+        wholes = []
+        if whole:
+            sub = [ts[i] for i in whole]
+            wholes = [[whole[j] for j in idx] for _k, (_, idx) in _group_tensors_by_device_and_dtype([sub], with_indices=True).items()]
+        return wholes, rows
+
+    def apply_(self, ts: list[torch.Tensor], plan: Any) -> None:
+        wholes, rows = plan
+        for idx in wholes:
+            group = [ts[i] for i in idx]
+            n = torch.stack(torch._foreach_norm(group))
+            torch._foreach_mul_(group, list(self.factor(n).unbind(0)))
+        for idx, d, counts, lengths, nd in rows:
+            # kept dim first (views: writes reach the tensors)
+            vs = [ts[i] for i in idx] if d == 0 else [ts[i].movedim(d, 0) for i in idx]
+            shape = (-1, *([1] * (nd - 1)))
+            if not use_segments(lengths.device):
+                # CPU: memory bound; one reading pass per tensor beats copying the group into one buffer
+                # (torch has no foreach norm over a dim; this is the one per-tensor call).
+                dims = tuple(range(1, nd))
+                n = torch.cat([torch.linalg.vector_norm(v, dim=dims).view(shape) for v in vs]) if dims else None
+                if n is None:
+                    n = torch.cat(torch._foreach_abs(vs)).view(shape)
+            else:
+                # accelerators: launch bound; the whole group in a handful of kernels
+                flat = _flat(vs)
+                n = torch.segment_reduce(flat.square_(), "sum", lengths=lengths, unsafe=True).sqrt_().view(shape)
+            torch._foreach_mul_(vs, list(self.factor(n).split(counts)))
+
+
+FORCE_SEGMENTS = False  # tests set it to check the accelerator strategy on CPU
+
+
+def use_segments(device: torch.device) -> bool:
+    """Row norms by one segment_reduce over the group (accelerators) or per tensor (CPU)."""
+    return FORCE_SEGMENTS or device.type != "cpu"
+
+
+def _flat(vs: list[torch.Tensor]) -> torch.Tensor:
+    cc = getattr(torch, "_chunk_cat", None)
+    if cc is not None:
+        return cc(vs, 0, 1).view(-1)
+    return torch.cat([v.reshape(-1) for v in vs])  # pragma: no cover - torch without _chunk_cat
+
+
+class MaxNorm(_Norm):
+    name = "max_norm"
+
+    def __init__(self, value: float, dim: int | None = 0) -> None:
+        super().__init__(dim)
+        self.value = float(value)
+        if not self.value >= 0:
+            raise ValueError(f"pu.max_norm: value must be >= 0, got {value}")
+
+    def factor(self, n: torch.Tensor) -> torch.Tensor:
+        return n.clamp(0.0, self.value).div_(n + EPSILON)
+
+    def __repr__(self) -> str:
+        return f"pu.max_norm({self.value}, dim={self.dim})"
+
+
+class UnitNorm(_Norm):
+    name = "unit_norm"
+
+    def factor(self, n: torch.Tensor) -> torch.Tensor:
+        return (n + EPSILON).reciprocal_()
+
+    def __call__(self, w: torch.Tensor) -> torch.Tensor:
+        return w / (EPSILON + self.norms(w))
+
+    def __repr__(self) -> str:
+        return f"pu.unit_norm(dim={self.dim})"
+
+
+class MinMaxNorm(_Norm):
+    name = "min_max_norm"
+
+    def __init__(self, min: float, max: float, rate: float = 1.0, dim: int | None = 0) -> None:  # noqa: A002
+        super().__init__(dim)
+        self.min, self.max, self.rate = float(min), float(max), float(rate)
+        if not 0 <= self.min <= self.max:
+            raise ValueError(f"pu.min_max_norm: need 0 <= min <= max, got min={min}, max={max}")
+        if not 0 <= self.rate <= 1:
+            raise ValueError(f"pu.min_max_norm: rate must be in [0, 1], got {rate}")
+
+    def factor(self, n: torch.Tensor) -> torch.Tensor:
+        desired = n.clamp(self.min, self.max).mul_(self.rate).add_(n, alpha=1.0 - self.rate)
+        return desired.div_(n + EPSILON)
+
+    def __repr__(self) -> str:
+        return f"pu.min_max_norm({self.min}, {self.max}, rate={self.rate}, dim={self.dim})"
+
+
+class _Clamp(Constraint):
+    def __init__(self, min: float | None, max: float | None) -> None:  # noqa: A002
+        if min is None and max is None:
+            raise ValueError("pu.clamp: give min, max or both")
+        if min is not None and max is not None and not min <= max:
+            raise ValueError(f"pu.clamp: min={min} > max={max}")
+        self.min, self.max = min, max
+
+    def validate(self, name: str, t: torch.Tensor, origin: str) -> None:
+        if t.is_complex() or t.dtype == torch.bool:
+            raise ValueError(f"pu.{self.name} at {origin}: {name!r} is {t.dtype}; needs a real dtype")
+        for v in (self.min, self.max):
+            if v is not None and not t.is_floating_point() and float(v) != int(v):
+                raise ValueError(f"pu.{self.name} at {origin}: bound {v} is not an integer but {name!r} is {t.dtype}")
+
+    def __call__(self, w: torch.Tensor) -> torch.Tensor:
+        return w.clamp(self.min, self.max)
+
+    def apply_(self, ts_all: list[torch.Tensor], plan: Any) -> None:
+        for idx in plan:
+            ts = [ts_all[i] for i in idx]
+            lo, hi = self.min, self.max
+            if not ts[0].is_floating_point():
+                lo = None if lo is None else int(lo)
+                hi = None if hi is None else int(hi)
+            if lo is not None:
+                torch._foreach_clamp_min_(ts, lo)
+            if hi is not None:
+                torch._foreach_clamp_max_(ts, hi)
+
+
+class NonNeg(_Clamp):
+    name = "non_neg"
+
+    def __init__(self) -> None:
+        super().__init__(0.0, None)
+
+    def __call__(self, w: torch.Tensor) -> torch.Tensor:
+        return w * (w >= 0).to(w.dtype)  # the Keras formula
+
+
+class Clamp(_Clamp):
+    name = "clamp"
+
+    def __repr__(self) -> str:
+        return f"pu.clamp({self.min}, {self.max})"
+
+
+class CallableConstraint(Constraint):
+    """Any ``tensor -> tensor``; runs user code, so the commit snapshots for it."""
+
+    infallible = False
+
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.fn = fn
+        self.name = getattr(fn, "__name__", type(fn).__name__)
+
+    def __call__(self, w: torch.Tensor) -> torch.Tensor:
+        return self.fn(w)
+
+    def __repr__(self) -> str:
+        return f"constrain({self.name})"
+
+
+def max_norm(value: float, dim: int | None = 0) -> MaxNorm:
+    """Keras ``MaxNorm``: rescale so that each norm (over every dim but ``dim``) is at most ``value``."""
+    return MaxNorm(value, dim)
+
+
+def unit_norm(dim: int | None = 0) -> UnitNorm:
+    """Keras ``UnitNorm``: divide by the norm over every dim but ``dim`` (plus ``1e-7``)."""
+    return UnitNorm(dim)
+
+
+def min_max_norm(min: float, max: float, rate: float = 1.0, dim: int | None = 0) -> MinMaxNorm:  # noqa: A002
+    """Keras ``MinMaxNorm``: move each norm toward ``[min, max]`` by ``rate`` (1.0: clip)."""
+    return MinMaxNorm(min, max, rate, dim)
+
+
+def non_neg() -> NonNeg:
+    """Keras ``NonNeg``: zero the negative entries."""
+    return NonNeg()
+
+
+def clamp(min: float | None = None, max: float | None = None) -> Clamp:  # noqa: A002
+    """Elementwise ``clamp(w, min, max)`` (either bound may be ``None``)."""
+    return Clamp(min, max)
+
+
+class Constrain(Rule):
+    """A constraint declared on some tensors (phase ``after_grad``)."""
+
+    phase = AFTER_GRAD
+    per_optimizer_update = True
+
+    def __init__(self, named: list[tuple[str, torch.Tensor]], constraint: Constraint, origin: str) -> None:
+        super().__init__(origin)
+        self.constraint = constraint
+        self.kind = f"constrain:{constraint.name}"
+        self.infallible = constraint.infallible
+        self.names = [n for n, _ in named]
+        self._tensors = WeakList([t for _, t in named])
+        self._key: tuple | None = None
+        self._plan: Any = None
+        self._live: list[torch.Tensor] = []
+        self._sub = has_subclass([t for _, t in named])
+
+    def owner_tensors(self) -> list[torch.Tensor]:
+        return self._tensors.live()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self._tensors.live()
+
+    def alive(self) -> bool:
+        return self._tensors.alive()
+
+    def check(self, ctx: CommitContext) -> None:
+        ts = self._tensors.live()
+        key = storage_key(ts, self._sub)
+        if key != self._key:
+            # storage changed (model.to(), p.data = ...): validate again before anything is written
+            with no_subclass():
+                for t, name in zip(ts, self.names):
+                    self.constraint.validate(ctx.index.name_of(t) or name, t, self.origin)
+                self._plan = None if isinstance(self.constraint, CallableConstraint) else self.constraint.plan(ts)
+            self._key = key
+        self._live = ts  # held for this commit only
+
+    def apply(self, ctx: CommitContext) -> None:
+        if isinstance(self.constraint, CallableConstraint):
+            self._apply_callable(ctx)
+            return
+        ts, self._live = self._live, []
+        with plain(self._sub):
+            self.constraint.apply_(ts, self._plan)
+
+    def _apply_callable(self, ctx: CommitContext) -> None:
+        # Compute and validate every new value first, then write: a failure writes nothing.
+        ts, self._live = self._live, []
+        news = []
+        with no_subclass():
+            for t in ts:
+                name = ctx.index.name_of(t) or "?"
+                try:
+                    new = self.constraint(t.detach())
+                except Exception as exc:
+                    raise UpdateError(
+                        f"constraint {self.constraint.name!r} (declared at {self.origin}) raised on {name!r}: "
+                        f"{type(exc).__name__}: {exc}. Nothing of this step was written."
+                    ) from exc
+                if not isinstance(new, torch.Tensor) or new.shape != t.shape or new.device != t.device or (
+                    new.is_floating_point() and not t.is_floating_point()
+                ):
+                    got = where(new) if isinstance(new, torch.Tensor) else type(new).__name__
+                    raise UpdateError(
+                        f"constraint {self.constraint.name!r} (declared at {self.origin}) returned {got} for {name!r} "
+                        f"({where(t)}): a constraint must return a tensor of the same shape and device. "
+                        "Nothing of this step was written."
+                    )
+                news.append(new)
+            for t, new in zip(ts, news):
+                if new is not t:
+                    t.copy_(new)
+
+
+def constrain(params: torch.Tensor | nn.Module | Any, constraint: Constraint | Callable[[torch.Tensor], torch.Tensor]) -> Constrain:
+    """Declare ``constraint`` on ``params``; phase ``after_grad``.
+
+    After each ``optimizer.step()`` (once per optimizer update), every tensor
+    of ``params`` is replaced by ``constraint(tensor)``. ``params``: a tensor,
+    an iterable of tensors or ``(name, tensor)`` pairs, or a module (all its
+    parameters). ``constraint``: ``pu.max_norm``, ``pu.unit_norm``,
+    ``pu.non_neg``, ``pu.min_max_norm``, ``pu.clamp`` (foreach, Keras
+    semantics; see the module docstring for the math and the ``dim``
+    convention) or any callable ``tensor -> tensor`` (same shape and device).
+    Several constraints on one tensor apply in declaration order. Returns the
+    rule (``.remove()`` undeclares it).
+    """
+    origin = call_site(2)
+    refuse_inside_step("pu.constrain", origin)
+    if not isinstance(constraint, Constraint):
+        if not callable(constraint):
+            raise TypeError(f"pu.constrain at {origin}: constraint must be a pu constraint or a callable, "
+                            f"not {type(constraint).__name__}")
+        constraint = CallableConstraint(constraint)
+    named = named_tensors(params, "pu.constrain")
+    if not named:
+        raise ValueError(f"pu.constrain at {origin}: no tensors given")
+    for name, t in named:
+        constraint.validate(name, t, origin)
+    rule = Constrain(named, constraint, origin)
+    register(rule)
+    return rule

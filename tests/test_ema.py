@@ -1,0 +1,241 @@
+"""pu.ema: phase after_step, once per optimizer update, checked against torch.optim.swa_utils.AveragedModel."""
+
+import copy
+import inspect
+
+import pytest
+import torch
+from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+import paramupdates as pu
+from paramupdates.rules.ema import rule_of
+
+from conftest import assert_same, bits, snapshot
+from models import Counter
+
+
+def _bn_net():
+    return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 2))
+
+
+def _data(n=5, d=4):
+    g = torch.Generator().manual_seed(7)
+    return [torch.randn(8, d, generator=g) for _ in range(n)]
+
+
+def test_matches_averaged_model_with_ema_multi_avg_fn_bitwise():
+    m = _bn_net()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    avg = AveragedModel(m, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+    avg.update_parameters(m)  # AveragedModel's first update copies; ours starts from the copy at declaration
+    ours = pu.ema(m, 0.9)
+    stepper = pu.Stepper(m, opt)
+    for x in _data():
+        with stepper:
+            m(x).pow(2).mean().backward()
+        opt.zero_grad()
+        avg.update_parameters(m)
+    theirs = avg.module.state_dict()
+    for k, v in ours.state_dict().items():
+        if v.is_floating_point():
+            assert torch.equal(bits(v), bits(theirs[k])), k  # parameters and running statistics, bitwise
+    # Where PyTorch is wrong: AveragedModel "averages" the integer num_batches_tracked in float and
+    # truncates, so it lags the model; pu.ema copies it.
+    assert int(ours[1].num_batches_tracked) == int(m[1].num_batches_tracked) == 5
+    assert int(avg.module[1].num_batches_tracked) < 5
+
+
+def test_sees_the_committed_running_statistics():
+    m = Counter()  # acc and scale are updated in the auxiliary phase of each step
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    averaged = pu.ema(m, 0.5)
+    a_acc = averaged.acc.clone()
+    for x in _data(3, 3):
+        with pu.step(m, opt):
+            m(x).sum().backward()
+        opt.zero_grad()
+        a_acc = torch.lerp(a_acc, m.acc, 0.5)  # the value committed by this step, not the one before
+        assert torch.equal(bits(averaged.acc), bits(a_acc))
+        assert torch.equal(averaged.count, m.count)  # integer buffer: copied
+
+
+def _reference_ema(m, opt, decay, data, k):
+    """Hand-written: accumulate k micro-batches, step, then average once."""
+    avg = [t.detach().clone() for t in m.parameters()]
+    for i in range(0, len(data), k):
+        for x in data[i: i + k]:
+            m(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for a, p in zip(avg, m.parameters()):
+                a.lerp_(p, 1 - decay)
+    return avg
+
+
+@pytest.mark.parametrize("how", ["one_step", "micro_steps", "attach"])
+def test_gradient_accumulation_averages_once_per_optimizer_update(how):
+    """The Keras bug (EMA applied per micro-step under gradient accumulation) must not exist."""
+    m = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 1))
+    ref_m = copy.deepcopy(m)
+    data = _data(6)
+    ref = _reference_ema(ref_m, torch.optim.SGD(ref_m.parameters(), lr=0.1), 0.8, data, 3)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    averaged = pu.ema(m, 0.8)
+    att = pu.attach(m, opt) if how == "attach" else None
+    for i in range(0, 6, 3):
+        micro = data[i: i + 3]
+        if how == "one_step":
+            with pu.step(m, opt):
+                for x in micro:
+                    m(x).pow(2).mean().backward()
+        elif how == "micro_steps":
+            for j, x in enumerate(micro):
+                with pu.step(m, opt if j == 2 else None):
+                    m(x).pow(2).mean().backward()
+        else:
+            for x in micro:
+                m(x).pow(2).mean().backward()
+            opt.step()
+        opt.zero_grad()
+    assert rule_of(averaged).updates == 2
+    if att is not None:
+        assert att.steps == 2
+    for a, r in zip(averaged.parameters(), ref):
+        assert torch.equal(bits(a), bits(r))
+
+
+def test_warmup_formula():
+    m = nn.Linear(3, 3)
+    opt = torch.optim.SGD(m.parameters(), lr=0.3)
+    averaged = pu.ema(m, 0.99, warmup=True)
+    custom = pu.ema(m, 0.99, warmup=lambda t: 0.5)
+    ref = m.weight.detach().clone()
+    for t, x in enumerate(_data(4, 3)):
+        with pu.step(m, opt):
+            m(x).sum().backward()
+        opt.zero_grad()
+        d = min(0.99, (1 + t) / (10 + t))
+        ref = torch.lerp(ref, m.weight.detach(), 1 - d)
+        assert torch.equal(bits(averaged.weight), bits(ref))
+    assert rule_of(custom).decay_at(3) == 0.5 and rule_of(averaged).decay_at(1000) == 0.99
+    assert rule_of(pu.ema(m, 0.9, warmup=5)).decay_at(0) == 1 / 5
+
+
+def _train(m, opt, stepper, data):
+    for x in data:
+        with stepper:
+            m(x).pow(2).mean().backward()
+        opt.zero_grad()
+
+
+def _everything(m, opt, averaged):
+    """Model, optimizer state (by position, not by id) and the averaged copy."""
+    opt_tensors = [v for st in opt.state_dict()["state"].values() for v in st.values()]
+    return snapshot(m, averaged, *opt_tensors)
+
+
+@pytest.mark.parametrize("how", ["stepper", "attach"])
+def test_resume_is_bitwise_identical(how):
+    data = _data(6)
+    m = _bn_net()
+    opt = torch.optim.Adam(m.parameters(), lr=0.01)
+    pu.weight_decay(m, 0.01)
+    pu.constrain(m[0].weight, pu.max_norm(1.0))
+    averaged = pu.ema(m, 0.9, warmup=True)
+    owner = pu.Stepper(m, opt) if how == "stepper" else pu.attach(m, opt)
+
+    def run(m, opt, owner, xs):
+        for x in xs:
+            if how == "stepper":
+                with owner:
+                    m(x).pow(2).mean().backward()
+            else:
+                m(x).pow(2).mean().backward()
+                opt.step()
+            opt.zero_grad()
+
+    run(m, opt, owner, data[:3])
+    saved = copy.deepcopy({"model": m.state_dict(), "opt": opt.state_dict(), "pu": owner.state_dict()})
+    assert saved["pu"]["rules"]["2:ema"]["updates"] == 3
+    run(m, opt, owner, data[3:])
+    expect = _everything(m, opt, averaged)
+
+    # a fresh process: same declarations, then load
+    torch.manual_seed(123)
+    for att in list(pu._state.attachments):
+        att.detach()
+    m2 = _bn_net()
+    opt2 = torch.optim.Adam(m2.parameters(), lr=0.01)
+    pu.weight_decay(m2, 0.01)
+    pu.constrain(m2[0].weight, pu.max_norm(1.0))
+    averaged2 = pu.ema(m2, 0.9, warmup=True)
+    owner2 = pu.Stepper(m2, opt2) if how == "stepper" else pu.attach(m2, opt2)
+    m2.load_state_dict(saved["model"])
+    opt2.load_state_dict(saved["opt"])
+    owner2.load_state_dict(saved["pu"])
+    assert rule_of(averaged2).updates == 3
+    run(m2, opt2, owner2, data[3:])
+    assert_same(expect, _everything(m2, opt2, averaged2))
+
+
+def test_copy_is_for_evaluation_and_not_a_target_of_the_models_steps():
+    m = _bn_net()
+    averaged = pu.ema(m, 0.9)
+    assert type(averaged) is type(m) and not averaged.training
+    assert not any(p.requires_grad for p in averaged.parameters())
+    assert all(a is not p for a, p in zip(averaged.parameters(), m.parameters()))
+    with pytest.raises(pu.UpdateError, match="not a parameter or buffer of the model"):
+        with pu.step(m):
+            pu.assign(averaged[1].running_mean, torch.zeros(6))
+    averaged(torch.randn(3, 4))  # usable for evaluation
+
+
+def test_include_buffers_false_copies_the_statistics():
+    m = _bn_net()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    averaged = pu.ema(m, 0.9, include_buffers=False)
+    _train(m, opt, pu.Stepper(m, opt), _data(3))
+    assert torch.equal(averaged[1].running_mean, m[1].running_mean)
+    assert not torch.equal(averaged[0].weight, m[0].weight)
+
+
+def test_schedule_row_declared_after_the_stepper_and_other_models_unaffected():
+    g, d = nn.Linear(3, 3), nn.Linear(3, 1)
+    opt_g, opt_d = torch.optim.SGD(g.parameters(), lr=0.1), torch.optim.SGD(d.parameters(), lr=0.1)
+    sg, sd = pu.Stepper(g, opt_g), pu.Stepper(d, opt_d)
+    line = inspect.currentframe().f_lineno + 1
+    averaged = pu.ema(g, 0.5)
+    with sd:
+        d(torch.randn(2, 3)).sum().backward()
+    assert rule_of(averaged).updates == 0 and not any(r.phase == "after_step" for r in sd.schedule())
+    with sg:
+        g(torch.randn(2, 3)).sum().backward()
+    assert rule_of(averaged).updates == 1
+    row = sg.schedule()[-1]
+    assert row.phase == "after_step" and row.origin.endswith(f"test_ema.py:{line}")
+    assert sd.state_dict()["rules"] == {} and list(sg.state_dict()["rules"]) == ["0:ema"]
+
+
+def test_moved_copy_is_an_error_before_anything_is_written():
+    m = nn.Linear(3, 3)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    averaged = pu.ema(m, 0.5)
+    averaged.double()
+    before = snapshot(m, opt, *averaged.state_dict().values())
+    with pytest.raises(pu.UpdateError, match="'weight' is cpu/float32/.* in the model but cpu/float64"):
+        with pu.step(m, opt):
+            m(torch.randn(2, 3)).sum().backward()
+    assert_same(before, snapshot(m, opt, *averaged.state_dict().values()))
+    assert rule_of(averaged).updates == 0
+
+
+def test_declaration_errors():
+    m = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="decay"):
+        pu.ema(m, 1.5)
+    with pytest.raises(TypeError):
+        pu.ema(m.weight, 0.9)
+    with pytest.raises(ValueError, match="warmup"):
+        pu.ema(m, 0.9, warmup=-1)

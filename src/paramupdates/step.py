@@ -16,6 +16,7 @@ every parameter and buffer is bitwise what it was before the step (rule 7).
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -186,14 +187,15 @@ class Stepper(_Owner):
         self._finish(tx, closure if closure is not None else self.closure)
 
     def _open(self) -> None:
+        site = call_site(4)
         if _state.explicit:
             other = _state.explicit[-1]
             raise UpdateError(
-                f"{other.label}: a step is already in progress (opened for "
-                f"{type(other.index.model).__name__}); pu.step blocks do not nest. "
-                "Finish the outer step first, or use one step for the whole model."
+                f"pu.step at {site} for {type(self.model).__name__}: a step is already in progress "
+                f"({other.label}, for {type(other.index.model).__name__}); pu.step blocks do not nest. "
+                "Finish the outer step first, or open one step on a module that contains both models."
             )
-        tx = self._new_tx(f"pu.step at {call_site(4)}")
+        tx = self._new_tx(f"pu.step at {site}")
         self._tx = tx
         _state.explicit.append(tx)
 
@@ -272,10 +274,14 @@ class Attachment(_Owner):
     Updates issued inside ``optimizer.step()`` (an LBFGS closure's forward)
     join the step being committed and land in its later phases.
 
-    If ``optimizer.step()`` itself raises, the post-hook never runs: the
-    before_grad writes and whatever the optimizer wrote are rolled back by the
-    next ``optimizer.step()``, :meth:`flush` or :meth:`state_dict` (with a
-    warning). Call :meth:`discard` in your ``except`` block to roll back at once.
+    If ``optimizer.step()`` itself raises (the optimizer, a rule, validation),
+    the step is rolled back before the exception propagates: ``attach`` wraps
+    ``optimizer.step`` on the instance for that (``detach()`` unwraps it). An
+    exception in your own code before ``optimizer.step()`` is invisible to the
+    attachment: call :meth:`discard` in your ``except`` block to drop the
+    updates recorded so far. (Should the class's ``step`` be called around
+    the wrapper and raise, the next ``optimizer.step()``, :meth:`flush` or
+    :meth:`state_dict` rolls it back, with a warning.)
     """
 
     def __init__(
@@ -299,7 +305,36 @@ class Attachment(_Owner):
                 )
         self._pre = optimizer.register_step_pre_hook(self._pre_hook)
         self._post = optimizer.register_step_post_hook(self._post_hook)
+        # optimizer.step is wrapped on the instance (as lr schedulers once did) so
+        # that an exception raised inside it rolls the commit back at once.
+        self._calls = 0
+        self._nested = 0
+        self._orig_step = optimizer.step
+        self._prev_step_attr = optimizer.__dict__.get("step")  # an instance wrapper already there
+        guarded = self._guarded_step
+
+        @functools.wraps(type(optimizer).step)
+        def step(*args: Any, **kwargs: Any) -> Any:
+            return guarded(*args, **kwargs)
+
+        # keep the marks of an instance wrapper already there (an LR scheduler's
+        # _wrapped_by_lr_sched), so that the scheduler does not warn
+        step.__dict__.update(getattr(self._orig_step, "__dict__", {}))
+        self._guard = step
+        optimizer.step = self._guard  # type: ignore[method-assign]
         _state.attachments.append(self)
+
+    def _guarded_step(self, *args: Any, **kwargs: Any) -> Any:
+        """``optimizer.step``: on an exception the step is rolled back before it propagates."""
+        self._calls += 1
+        try:
+            return self._orig_step(*args, **kwargs)
+        except BaseException:
+            if self._in_step:
+                self._abort()
+            raise
+        finally:
+            self._calls -= 1
 
     # routing -------------------------------------------------------------
     def route(self, t: torch.Tensor) -> tuple[Transaction | None, Entry | None]:
@@ -335,13 +370,18 @@ class Attachment(_Owner):
 
     def _recover(self) -> None:
         """Roll back a commit whose optimizer step raised (no post-hook came)."""
-        if self._in_step and not self._hooks_running:
+        if self._in_step and not self._hooks_running and not self._inside_own_step():
             warnings.warn(
                 "pu.attach: the last optimizer.step() raised; its step was rolled back.", stacklevel=3
             )
             self._abort()
 
     _hooks_running = False
+    _step_calls = 0
+
+    def _inside_own_step(self) -> bool:
+        """Whether the optimizer.step() call that opened the commit is still running."""
+        return self._calls > 0 and self._calls == self._step_calls
 
     def _abort(self) -> None:
         tx = self.tx
@@ -353,14 +393,21 @@ class Attachment(_Owner):
         self._restore_grads()
         self.tx = None
         self._in_step = False
+        self._nested = 0
 
     # hooks ----------------------------------------------------------------
     def _pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._recover()  # the previous optimizer.step() raised
+        if self._in_step and not self._hooks_running and self._inside_own_step():
+            # A nested step: an optimizer subclass calling super().step(), whose
+            # class is hooked too. Only the outermost call commits.
+            self._nested += 1
+            return
+        self._recover()  # the previous optimizer.step() raised, called around the wrapper
         if self.tx is None:
             self.tx = self._new_tx(f"pu.attach({type(self.model).__name__})")
         tx = self.tx
         self._in_step = True
+        self._step_calls = self._calls
         self._hooks_running = True
         try:
             if not tx.prepare():
@@ -382,6 +429,9 @@ class Attachment(_Owner):
             self._hooks_running = False
 
     def _post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._nested:
+            self._nested -= 1
+            return
         tx = self.tx
         if tx is None:
             return
@@ -447,6 +497,12 @@ class Attachment(_Owner):
         self._abort()
         self._pre.remove()
         self._post.remove()
+        opt_dict = self.optimizer.__dict__  # type: ignore[union-attr]
+        if opt_dict.get("step") is self._guard:
+            if self._prev_step_attr is None:
+                del opt_dict["step"]
+            else:
+                opt_dict["step"] = self._prev_step_attr
         if self in _state.attachments:
             _state.attachments.remove(self)
 

@@ -128,3 +128,15 @@ def describe(t: torch.Tensor) -> str:
     """A name for a tensor that belongs to no known model."""
     kind = type(t).__name__
     return f"<unnamed {kind} shape={tuple(t.shape)} dtype={t.dtype}>"
+
+
+def owner_anywhere(t: torch.Tensor) -> tuple[str, str] | None:
+    """(qualified name, model class name) of ``t`` in any indexed model, or None.
+
+    For error messages only: it may rebuild every index.
+    """
+    for model, idx in list(_INDEXES.items()):
+        info = idx.lookup(t)
+        if info is not None:
+            return info.name, type(model).__name__
+    return None

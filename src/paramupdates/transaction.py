@@ -64,7 +64,7 @@ from .schedule import (
     Schedule,
     ScheduleEntry,
 )
-from .targets import ModelIndex, TargetInfo, describe
+from .targets import ModelIndex, TargetInfo, describe, owner_anywhere
 
 if TYPE_CHECKING:
     pass
@@ -482,7 +482,13 @@ class Transaction:
         self._rule_saved = [(r, r.save()) for r in self.rules]
 
     def rollback(self) -> None:
-        """Restore every snapshotted tensor, the optimizer state and the rules' counters."""
+        """Restore every snapshotted tensor, the optimizer state and the rules' counters.
+
+        The overlay goes too: under ``pu.attach`` it is shown again inside
+        ``optimizer.step()`` (``reinstall_overlay``), and an optimizer that
+        raises there must not leave pending values visible.
+        """
+        self.remove_overlay()
         with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
             for ts, copies in reversed(self._snapshots):
                 torch._foreach_copy_(ts, copies)
@@ -596,13 +602,29 @@ def route(t: torch.Tensor, origin: str, op: str) -> tuple[Transaction | None, En
             return tx, e
     if _state.explicit:
         tx = _state.explicit[-1]
-        model = tx.index.model
+        mine = type(tx.index.model).__name__
+        other = owner_anywhere(t)
+        if other is not None:
+            name, model = other
+            raise UpdateError(
+                f"pu.{op} on {name!r} of {model} at {origin}: the target belongs to a {model}, but the "
+                f"step in progress is for a {mine}, so this update would have no commit. Open the step "
+                f"on a module that contains both (e.g. nn.ModuleDict({{'a': a, 'b': b}})), or issue the "
+                "update outside the step."
+            )
+        computed = (
+            " It is a computed tensor (it has a grad_fn), e.g. the output of a parametrization "
+            "(torch.nn.utils.parametrize) or of an op: update the stored tensor it is computed from."
+            if t.grad_fn is not None
+            else ""
+        )
         raise UpdateError(
             f"pu.{op} on {describe(t)} at {origin}: the target is not a parameter or buffer of the model "
-            f"of the step in progress ({type(model).__name__}). Register it on that model "
-            "(as a pu.Parameter, an nn.Parameter or a buffer), or issue the update outside the step."
+            f"of the step in progress ({mine}). Register it on that model "
+            f"(as a pu.Parameter, an nn.Parameter or a buffer), or issue the update outside the step.{computed}"
         )
     return None, None
+
 
 
 def pending_value(t: torch.Tensor) -> torch.Tensor | None:

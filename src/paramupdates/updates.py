@@ -32,7 +32,7 @@ from .errors import UpdateError
 from .integrations.checkpoint import adopt_torch_segment
 from .integrations.parametrize import inverse
 from .integrations.parametrize import source as parametrized_source
-from .targets import describe
+from .targets import describe, owner_anywhere
 from .transaction import _plain, pending_value, route
 
 
@@ -63,8 +63,16 @@ def _issue(op: str, target: torch.Tensor, operand: Any, key: Any, phase: str | N
         _state.replay.eager_write(op, target, operand, key, cond if isinstance(cond, torch.Tensor) else None)
         return
     # Outside a step: eager, in place, under no_grad (rule 8).
-    name = describe(target)
-    check_operand(op, target, operand, key, name, origin)
+    try:
+        check_operand(op, target, operand, key, describe(target), origin)
+    except UpdateError:
+        # Name the target in the error if some model paramupdates has indexed owns it
+        # (looked up only on this error path: an eager update stays cheap).
+        owner = owner_anywhere(target)
+        if owner is None:
+            raise
+        check_operand(op, target, operand, key, owner[0], origin)
+        raise
     log = _state.eager_log if _state.eager_log is not None else adopt_torch_segment()
     if log is not None:
         log.note(target)  # inside a checkpointed segment: keep the value at segment entry (rule 3)

@@ -338,7 +338,9 @@ class Attachment(_Owner):
 
     # routing -------------------------------------------------------------
     def route(self, t: torch.Tensor) -> tuple[Transaction | None, Entry | None]:
-        if self._owned_elsewhere(t):
+        # Under dynamo the shortcut would guard on id(t) of a pending value and
+        # recompile per micro-batch; traced code resolves by identity instead.
+        if not torch.compiler.is_compiling() and self._owned_elsewhere(t):
             return None, None
         # Between the pre- and post-hook (inside optimizer.step(), e.g. an LBFGS
         # closure) updates join the committing step and land in its later phases.

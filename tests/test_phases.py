@@ -1,5 +1,6 @@
 """Rule 4: the fixed five-phase commit order, issue order inside a phase."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -25,6 +26,22 @@ def test_phase_order_not_issue_order():
     # before_grad: 10, after_grad: 7, auxiliary: 12, after_step: 13 (issue order would give 10+5-3+... != 13)
     assert float(m.t) == 13.0
     assert s.schedule().phases() == ["before_grad", "after_grad", "auxiliary", "after_step"]
+
+
+@pytest.mark.parametrize("first,second", [
+    ("before_grad", "after_grad"), ("after_grad", "auxiliary"), ("auxiliary", "after_step"),
+])
+def test_each_adjacent_pair_of_phases_commits_in_order(first, second):
+    """assign and assign_add do not commute: swapping two phases changes the result."""
+    m = Two()
+    with pu.step(m):
+        pu.assign(m.t, torch.tensor([10.0]), phase=None if second == "auxiliary" else second)
+        pu.assign_add(m.t, 1.0, phase=None if first == "auxiliary" else first)
+    assert float(m.t) == 10.0  # first: 0 + 1, then second: = 10 (swapped would give 11)
+    with pu.step(m):
+        pu.assign_add(m.t, 1.0, phase=None if second == "auxiliary" else second)
+        pu.assign(m.t, torch.tensor([5.0]), phase=None if first == "auxiliary" else first)
+    assert float(m.t) == 6.0  # first: = 5, then second: + 1 (swapped would give 5)
 
 
 def test_optimizer_between_before_and_after_grad():

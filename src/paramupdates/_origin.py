@@ -11,13 +11,15 @@ _PKG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 # Modules built on the mechanism (pu.nn) are where their updates are issued:
 # their lines are shown, not skipped.
 _USER_SUBDIRS = tuple(_PKG_DIR + d + os.sep for d in ("nn",))
+# The demo is user code that ships in the package: its lines are shown too.
+_USER_FILES = (_PKG_DIR + "demo.py",)
 _TORCH_DIR = os.path.dirname(os.path.abspath(sys.modules["torch"].__file__)) + os.sep
 _CWD = os.getcwd() + os.sep
 
 
 def _is_internal(filename: str) -> bool:
     if filename.startswith(_PKG_DIR):
-        return not filename.startswith(_USER_SUBDIRS)
+        return not (filename.startswith(_USER_SUBDIRS) or filename in _USER_FILES)
     return ( filename.startswith(_TORCH_DIR)
         or filename.startswith("<frozen")
         or "contextlib.py" in filename

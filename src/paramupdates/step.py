@@ -375,6 +375,10 @@ class Attachment(_Owner):
 
     # routing -------------------------------------------------------------
     def route(self, t: torch.Tensor) -> tuple[Transaction | None, Entry | None]:
+        # Under dynamo the shortcut would guard on id(t) of a pending value and
+        # recompile per micro-batch; traced code resolves by identity instead.
+        if not torch.compiler.is_compiling() and self._owned_elsewhere(t):
+            return None, None
         # Between the pre- and post-hook (inside optimizer.step(), e.g. an LBFGS
         # closure) updates join the committing step and land in its later phases.
         if self.tx is not None:
@@ -384,6 +388,24 @@ class Attachment(_Owner):
             return None, None
         self.tx = self._new_tx(f"pu.attach({type(self.model).__name__})")
         return self.tx, self.tx.find(t)
+
+    def _owned_elsewhere(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is known (without rebuilding any index) to belong to another model only.
+
+        A miss in this model's index rebuilds it (a module may have been
+        added), which walks the whole module tree: with two attached models
+        (a GAN's generator and discriminator), every update of the second
+        would rebuild the first's index. A tensor that this index does not
+        know but another live step's or attachment's index does is theirs.
+        """
+        if self.index.peek(t) is not None:
+            return False
+        if self.tx is not None and self.tx.find(t, create=False) is not None:
+            return False
+        for tx in _state.explicit:
+            if tx.index.peek(t) is not None:
+                return True
+        return any(other is not self and other.index.peek(t) is not None for other in _state.attachments)
 
     def _recover(self) -> None:
         """Roll back a commit whose optimizer step raised (no post-hook came)."""

@@ -106,6 +106,11 @@ class ModelIndex:
                 out.append(t)
         return out
 
+    def peek(self, t: torch.Tensor) -> TargetInfo | None:
+        """The info of ``t`` from the index as last built (no rebuild on a miss)."""
+        info = self.by_id.get(id(t))
+        return info if info is not None and info.ref() is t else None
+
 
 _INDEXES: weakref.WeakKeyDictionary[nn.Module, ModelIndex] = weakref.WeakKeyDictionary()
 

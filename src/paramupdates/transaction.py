@@ -108,10 +108,16 @@ class Entry:
         return {r.phase for r in self.records}
 
 
-def _is_pu_parameter(t: object) -> bool:
-    from .parameter import Parameter
+_PU_PARAMETER: type | None = None
 
-    return isinstance(t, Parameter)
+
+def _is_pu_parameter(t: object) -> bool:
+    global _PU_PARAMETER
+    if _PU_PARAMETER is None:  # imported on first use: parameter.py imports this module's users
+        from .parameter import Parameter
+
+        _PU_PARAMETER = Parameter
+    return isinstance(t, _PU_PARAMETER)
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:

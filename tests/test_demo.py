@@ -1,0 +1,99 @@
+"""The demo (``paramupdates-demo``) at tiny size: it trains, plots, and detects PyTorch's double update.
+
+The three variants train on the same batches from the same weights:
+paramupdates without checkpointing (the reference), paramupdates under
+``pu.checkpoint``, and ``torch.nn.BatchNorm2d`` under ``torch.utils.checkpoint``.
+"""
+
+import pytest
+import torch
+
+from conftest import bits
+
+pytest.importorskip("sklearn", reason="the demo needs scikit-learn (pip install -e '.[demo]' or '.[test]')")
+pytest.importorskip("matplotlib", reason="the demo needs matplotlib (pip install -e '.[demo]' or '.[test]')")
+pytest.importorskip("tqdm", reason="the demo needs tqdm (pip install -e '.[demo]' or '.[test]')")
+
+from paramupdates import demo  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the demo's default; the model is tiny
+    try:
+        return demo.run_demo(epochs=2, train_size=640, out=str(out), progress=False, echo=lambda s: None)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_accuracy_above_chance(result):
+    for name in demo.VARIANTS:
+        assert result.test_accuracy(name) > 0.3, name  # 10 classes: chance is 0.1
+        assert result.test_accuracy(name, ema=True) > 0.3, name
+    assert len(result.runs["pu"].acc) == 2
+
+
+def test_plot_written(result):
+    assert result.plot is not None
+    with open(result.plot, "rb") as f:
+        head = f.read(8)
+        rest = f.read()
+    assert head == b"\x89PNG\r\n\x1a\n"
+    assert len(rest) > 10_000
+
+
+def test_checkpointing_contrast_detected(result):
+    steps = result.steps
+    assert steps == 2 * 10  # 640 images, batch 64, 2 epochs
+    pu_c, torch_c = result.contrasts["pu"], result.contrasts["torch"]
+    # paramupdates under checkpointing: statistics bitwise those without checkpointing
+    assert pu_c.bitwise_equal and pu_c.num_batches_tracked == steps
+    assert pu_c.max_mean_diff == 0.0 and pu_c.max_var_diff == 0.0
+    # torch under checkpointing: every update made twice
+    assert not torch_c.bitwise_equal
+    assert torch_c.num_batches_tracked == 2 * steps
+    assert torch_c.max_mean_diff > 0.0 and torch_c.max_var_diff > 0.0
+    text = demo.report(result)
+    assert "bitwise equal to the reference" in text
+    assert "WRONG: counted 2x per step" in text
+
+
+def test_weights_agree_only_statistics_differ(result):
+    ref, pu_run, tc = (result.runs[n] for n in demo.VARIANTS)
+    # pu and the reference: the whole state (weights, statistics, counters) and the EMA copy, bitwise
+    for (k, a), (k2, b) in zip(pu_run.model.state_dict().items(), ref.model.state_dict().items()):
+        assert k == k2 and torch.equal(bits(a), bits(b)), k
+    for (k, a), (_, b) in zip(pu_run.ema.state_dict().items(), ref.ema.state_dict().items()):
+        assert torch.equal(bits(a), bits(b)), f"ema {k}"
+    # torch's double update leaves gradients, hence weights, alone: only the statistics are off
+    for (k, a), (_, b) in zip(tc.model.named_parameters(), ref.model.named_parameters()):
+        assert torch.equal(bits(a), bits(b)), k
+    assert pu_run.loss == ref.loss == tc.loss
+
+
+def test_schedule_lists_every_phase_in_order(result):
+    s = result.schedule
+    for word in ("weight_decay", "Adam.step", "max_norm", "running_mean", "num_batches_tracked", "ema"):
+        assert word in s, word
+    pos = [s.index(p) for p in ("before_grad", "grad ", "after_grad", "auxiliary", "after_step")]
+    assert pos == sorted(pos)
+    # origins point into the demo (user code shipped in the package), not at its caller
+    wd_row = next(line for line in s.splitlines() if "weight_decay" in line)
+    assert "paramupdates/demo.py:" in wd_row
+
+
+def test_command_line(tmp_path, capsys):
+    rc = demo.main(["--epochs", "1", "--train-size", "128", "--out", str(tmp_path), "--no-progress", "--seed", "3"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "Test accuracy" in out and "EMA copy" in out
+    assert "Checkpointing check" in out and "(2x)" in out
+    assert "before_grad" in out  # the schedule is printed
+    png = tmp_path / "paramupdates-demo.png"
+    assert png.exists() and f"Plot: {png}" in out
+    rc = demo.main(["--epochs", "1", "--train-size", "64", "--out", str(tmp_path / "none"), "--no-plot", "--no-progress"])
+    assert rc == 0
+    assert not (tmp_path / "none").exists()
+    assert "Plot:" not in capsys.readouterr().out

@@ -24,3 +24,14 @@ class Counter(nn.Module):
             self.scale.assign(self.scale * 0.5 + y.detach().abs().mean(0) * 0.5)
         return y * self.scale
 
+
+
+def trained_counter(steps=2):
+    """A Counter and its AdamW after ``steps`` committed steps (optimizer state exists)."""
+    m = Counter()
+    opt = torch.optim.AdamW(m.parameters(), lr=0.01)
+    for _ in range(steps):
+        with pu.step(m, opt):
+            m(torch.randn(4, 3)).sum().backward()
+        opt.zero_grad()
+    return m, opt

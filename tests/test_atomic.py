@@ -14,16 +14,7 @@ from paramupdates.rules.base import Rule, register
 
 from conftest import assert_same, snapshot
 from models import Counter
-
-
-def _trained(steps=2):
-    m = Counter()
-    opt = torch.optim.AdamW(m.parameters(), lr=0.01)
-    for _ in range(steps):
-        with pu.step(m, opt):
-            m(torch.randn(4, 3)).sum().backward()
-        opt.zero_grad()
-    return m, opt
+from models import trained_counter as _trained
 
 
 def test_exception_in_block_discards():

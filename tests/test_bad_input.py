@@ -32,18 +32,9 @@ import paramupdates as pu
 
 from conftest import assert_same, snapshot
 from models import Counter
+from models import trained_counter as _trained
 
 HERE = "test_bad_input.py"
-
-
-def _trained(steps=2):
-    m = Counter()
-    opt = torch.optim.AdamW(m.parameters(), lr=0.01)
-    for _ in range(steps):
-        with pu.step(m, opt):
-            m(torch.randn(4, 3)).sum().backward()
-        opt.zero_grad()
-    return m, opt
 
 
 def _line(offset: int = 1) -> int:

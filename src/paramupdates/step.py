@@ -92,6 +92,17 @@ class _Owner:
         """The plan of the last committed step (phase, target, op, condition, origin)."""
         return self._last
 
+    def _open_tx(self) -> Transaction | None:
+        raise NotImplementedError
+
+    def pending_schedule(self) -> Schedule:
+        """The plan so far of the step in progress (empty if none is open)."""
+        tx = self._open_tx()
+        if tx is None:
+            return Schedule()
+        tx.collect_rules()
+        return tx.schedule()
+
     def state_dict(self) -> dict[str, Any]:
         """Counters and the state of every rule that applies to the model (EMA copies, counters)."""
         rules = rules_for(self.index)
@@ -253,12 +264,8 @@ class Stepper(_Owner):
             out = fn(*args, **kwargs)
         return out
 
-    def pending_schedule(self) -> Schedule:
-        """The plan so far of the step in progress (empty outside a step)."""
-        if self._tx is None:
-            return Schedule()
-        self._tx.collect_rules()
-        return self._tx.schedule()
+    def _open_tx(self) -> Transaction | None:
+        return self._tx
 
 
 def step(
@@ -553,12 +560,8 @@ class Attachment(_Owner):
         self._recover()
         return super().state_dict()
 
-    def pending_schedule(self) -> Schedule:
-        """The plan so far of the open step (empty if none is open)."""
-        if self.tx is None:
-            return Schedule()
-        self.tx.collect_rules()
-        return self.tx.schedule()
+    def _open_tx(self) -> Transaction | None:
+        return self.tx
 
 
 def attach(

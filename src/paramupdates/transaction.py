@@ -104,8 +104,15 @@ class Entry:
     def current(self) -> torch.Tensor:
         return self.target if self.value is None else self.value
 
-    def phases(self) -> set[str]:
-        return {r.phase for r in self.records}
+    _phases: frozenset[str] = frozenset()
+    _phases_n: int = 0
+
+    def phases(self) -> frozenset[str]:
+        """The phases of this entry's records (cached until a record is added)."""
+        if self._phases_n != len(self.records):
+            self._phases = frozenset(r.phase for r in self.records)
+            self._phases_n = len(self.records)
+        return self._phases
 
 
 _PU_PARAMETER: type | None = None
@@ -565,15 +572,15 @@ class Transaction:
                     rule.apply(ctx)
                 self._dirty_pending.append(written)
                 self.stage_done(not rule.infallible)
+        in_phase = [(e, ps) for e in self.entries.values() if phase in (ps := e.phases())]
+        if not in_phase:
+            self.done_phases.add(phase)
+            return
         fast_dst: list[torch.Tensor] = []
         fast_src: list[torch.Tensor] = []
         slow: list[Entry] = []
-        if self.entries:
-            self._flush_dirty()
-        for e in self.entries.values():
-            phases = e.phases()
-            if phase not in phases:
-                continue
+        self._flush_dirty()
+        for e, phases in in_phase:
             # A synced target (rule 9) commits its reduced value: it has one
             # phase, is not trainable and no rule writes it (checked before).
             if e.sync is not None or (len(phases) == 1 and id(e.target) not in self._dirty and not (
@@ -597,7 +604,7 @@ class Transaction:
                         operand = r.operand.detach() if isinstance(r.operand, torch.Tensor) else r.operand
                         val = apply_op(r.op, val, operand, r.key, r.cond)
                 raw.copy_(val)
-        self._dirty.update(id(e.target) for e in self.entries.values() if phase in e.phases())
+        self._dirty.update(id(e.target) for e, _ in in_phase)
         self.done_phases.add(phase)
 
     def run_grad(self, closure: Any = None) -> Any:

@@ -5,17 +5,23 @@ from paramupdates import _state
 from paramupdates.rules import base as rules_base
 
 
-@pytest.fixture(autouse=True)
-def _clean_state():
-    """Each test starts with no step in progress, no attachment, no declared rule."""
-    torch.manual_seed(0)
-    yield
+def reset_pu() -> None:
+    """Forget every step in progress, attachment and declared rule (also used by child processes)."""
     for att in list(_state.attachments):
         att.detach()
     _state.explicit.clear()
     _state.pu_pending.clear()
     _state.replay = None
     rules_base._RULES.clear()
+    torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _clean_state():
+    """Each test starts with no step in progress, no attachment, no declared rule."""
+    torch.manual_seed(0)
+    yield
+    reset_pu()
 
 
 def bits(t):

@@ -23,8 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from paramupdates import _state
-from paramupdates.rules import base as rules_base
+from conftest import reset_pu
 
 WORLD = 2
 
@@ -33,17 +32,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def reset_pu() -> None:
-    """What the autouse fixture of conftest does between tests, for a child process."""
-    for att in list(_state.attachments):
-        att.detach()
-    _state.explicit.clear()
-    _state.pu_pending.clear()
-    _state.replay = None
-    rules_base._RULES.clear()
-    torch.manual_seed(0)
 
 
 def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, outdir: str, pg_timeout: float,

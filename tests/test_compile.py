@@ -222,16 +222,18 @@ def test_tensor_predicate_is_a_graph_select_not_a_host_read():
     assert "item" not in code and "_local_scalar_dense" not in code
 
 
+def train(model, x):
+    """The function a user passes to Stepper.run: forward, loss, backward."""
+    loss = model(x).square().mean()
+    loss.backward()
+    return loss.detach()
+
+
 def test_compiled_train_fn_through_stepper_run():
     """Forward + loss + backward compiled with fullgraph=True; the commit runs after it in Stepper.run."""
 
-    def train(model, x):
-        loss = model(x).square().mean()
-        loss.backward()
-        return loss.detach()
-
     # Counter: a trainable pu.Parameter under trace_autograd_ops hits a dynamo
-    # internal error (see docs/readme/compile.md, limits)
+    # internal error (see docs/compile.md, limits)
     m1, o1 = _make(Counter)
     m2, o2 = _make(Counter)
     s1, s2 = pu.Stepper(m1, o1), pu.Stepper(m2, o2)
@@ -248,12 +250,7 @@ def test_compiled_train_fn_through_stepper_run():
 
 
 def test_compiling_the_commit_breaks_the_graph_but_stays_exact():
-    """Stepper.run itself compiled: correct, but the commit is not one graph (see docs/readme/compile.md)."""
-
-    def train(model, x):
-        loss = model(x).square().mean()
-        loss.backward()
-        return loss.detach()
+    """Stepper.run itself compiled: correct, but the commit is not one graph (see docs/compile.md)."""
 
     m1, o1 = _make(Counter)
     m2, o2 = _make(Counter)

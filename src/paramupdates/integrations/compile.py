@@ -20,7 +20,7 @@ code does something dynamo cannot trace, or traces at a cost, the core asks
 * trace-time constants (:func:`in_optimizer`, ``parameter._substitutes``):
   facts that depend only on objects that do not change between steps.
 
-See ``docs/readme/compile.md`` for what is supported and the limits.
+See ``docs/compile.md`` for what is supported and the limits.
 """
 
 from __future__ import annotations

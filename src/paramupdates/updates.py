@@ -40,6 +40,7 @@ def _issue(op: str, target: torch.Tensor, operand: Any, key: Any, phase: str | N
     cond = conditions.current()
     if cond is False:
         return
+    pred = cond if isinstance(cond, torch.Tensor) else None  # None: unconditional
     origin = call_site(3)
     if not isinstance(target, torch.Tensor):
         raise UpdateError(
@@ -60,7 +61,7 @@ def _issue(op: str, target: torch.Tensor, operand: Any, key: Any, phase: str | N
     if _state.replay is not None:
         # Re-issued by a pu.checkpoint recomputation: the forward already applied it (rule 3);
         # only the recomputation's own view moves.
-        _state.replay.eager_write(op, target, operand, key, cond if isinstance(cond, torch.Tensor) else None)
+        _state.replay.eager_write(op, target, operand, key, pred)
         return
     # Outside a step: eager, in place, under no_grad (rule 8).
     try:
@@ -81,9 +82,9 @@ def _issue(op: str, target: torch.Tensor, operand: Any, key: Any, phase: str | N
 
         owner = owner_anywhere(target)
         name = owner[0] if owner is not None else describe(target)
-        apply_eager(op, target, operand, key, cond if isinstance(cond, torch.Tensor) else None, sync, name, origin)
+        apply_eager(op, target, operand, key, pred, sync, name, origin)
         return
-    apply_inplace(op, target, operand, key, cond if isinstance(cond, torch.Tensor) else None)
+    apply_inplace(op, target, operand, key, pred)
 
 
 def assign(target: torch.Tensor, value: Any, *, phase: str | None = None, sync: str | None = None) -> None:

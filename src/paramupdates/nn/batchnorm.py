@@ -186,7 +186,27 @@ class UpdateSafeBatchNorm:
         )
 
 
-class BatchNorm1d(UpdateSafeBatchNorm, nn.BatchNorm1d):
+class _BatchNormNd(UpdateSafeBatchNorm):
+    """The constructor shared by BatchNorm1d/2d/3d: torch's arguments plus ``sync_stats``."""
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        device: Any = None,
+        dtype: Any = None,
+        *,
+        sync_stats: bool = False,
+    ) -> None:
+        # super() is the torch.nn.BatchNorm{1,2,3}d that follows this class in the MRO.
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)  # type: ignore[call-arg]
+        self._init_sync(sync_stats)
+
+
+class BatchNorm1d(_BatchNormNd, nn.BatchNorm1d):
     """``torch.nn.BatchNorm1d`` with running statistics updated through ``pu.assign``.
 
     Same arguments and ``state_dict`` as ``torch.nn.BatchNorm1d``, plus
@@ -194,23 +214,8 @@ class BatchNorm1d(UpdateSafeBatchNorm, nn.BatchNorm1d):
     module docstring for the math and the ordering rule (phase ``auxiliary``).
     """
 
-    def __init__(
-        self,
-        num_features: int,
-        eps: float = 1e-5,
-        momentum: float | None = 0.1,
-        affine: bool = True,
-        track_running_stats: bool = True,
-        device: Any = None,
-        dtype: Any = None,
-        *,
-        sync_stats: bool = False,
-    ) -> None:
-        nn.BatchNorm1d.__init__(self, num_features, eps, momentum, affine, track_running_stats, device, dtype)
-        self._init_sync(sync_stats)
 
-
-class BatchNorm2d(UpdateSafeBatchNorm, nn.BatchNorm2d):
+class BatchNorm2d(_BatchNormNd, nn.BatchNorm2d):
     """``torch.nn.BatchNorm2d`` with running statistics updated through ``pu.assign``.
 
     Same arguments and ``state_dict`` as ``torch.nn.BatchNorm2d``, plus
@@ -218,44 +223,14 @@ class BatchNorm2d(UpdateSafeBatchNorm, nn.BatchNorm2d):
     module docstring for the math and the ordering rule (phase ``auxiliary``).
     """
 
-    def __init__(
-        self,
-        num_features: int,
-        eps: float = 1e-5,
-        momentum: float | None = 0.1,
-        affine: bool = True,
-        track_running_stats: bool = True,
-        device: Any = None,
-        dtype: Any = None,
-        *,
-        sync_stats: bool = False,
-    ) -> None:
-        nn.BatchNorm2d.__init__(self, num_features, eps, momentum, affine, track_running_stats, device, dtype)
-        self._init_sync(sync_stats)
 
-
-class BatchNorm3d(UpdateSafeBatchNorm, nn.BatchNorm3d):
+class BatchNorm3d(_BatchNormNd, nn.BatchNorm3d):
     """``torch.nn.BatchNorm3d`` with running statistics updated through ``pu.assign``.
 
     Same arguments and ``state_dict`` as ``torch.nn.BatchNorm3d``, plus
     ``sync_stats`` (average the statistics across ranks at commit). See the
     module docstring for the math and the ordering rule (phase ``auxiliary``).
     """
-
-    def __init__(
-        self,
-        num_features: int,
-        eps: float = 1e-5,
-        momentum: float | None = 0.1,
-        affine: bool = True,
-        track_running_stats: bool = True,
-        device: Any = None,
-        dtype: Any = None,
-        *,
-        sync_stats: bool = False,
-    ) -> None:
-        nn.BatchNorm3d.__init__(self, num_features, eps, momentum, affine, track_running_stats, device, dtype)
-        self._init_sync(sync_stats)
 
 
 class SyncBatchNorm(UpdateSafeBatchNorm, nn.SyncBatchNorm):

@@ -57,6 +57,31 @@ def test_adam_plus_pu_weight_decay_is_adamw_bitwise(how):
     assert_same(snapshot(ref), snapshot(m))
 
 
+def test_still_adamw_bitwise_after_the_model_is_cast_to_float64():
+    """The cached factors are per dtype (0-dim float32 on CPU for float32): model.double() rebuilds them."""
+    ref = _net()
+    m = copy.deepcopy(ref)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.3)
+    opt = torch.optim.Adam(m.parameters(), lr=0.05)
+    pu.weight_decay(m, 0.3, exclude=None)
+    stepper = pu.Stepper(m, opt)
+    for i, x in enumerate(_data(4)):
+        if i == 2:
+            for net, o in ((ref, opt_ref), (m, opt)):
+                net.double()
+                for st in o.state.values():
+                    st.update({k: v.double() for k, v in st.items() if k != "step"})
+        x = x.double() if i >= 2 else x
+        _loss(ref, x).backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        with stepper:
+            _loss(m, x).backward()
+        opt.zero_grad()
+    assert m[0].weight.dtype == torch.float64
+    assert_same(snapshot(ref), snapshot(m))
+
+
 def test_sgd_plus_pu_weight_decay_equals_handwritten_decoupled_decay():
     m = _net()
     ref = copy.deepcopy(m)

@@ -16,7 +16,8 @@ skips them.
 
 One ``torch._foreach_mul_`` (with a list of per-tensor factors) per device and
 dtype; the grouping and the factors are cached and rebuilt only when the
-learning rates, the param groups, or the set of parameters with gradients change.
+learning rates, the param groups, the set of parameters with gradients, or the
+tensors' storage (``model.to()``, ``.data =``) change.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 from .._origin import call_site
 from ..parameter import Parameter
 from ..schedule import BEFORE_GRAD
-from ._common import WeakList, has_subclass, named_tensors, plain, refuse_inside_step
+from ._common import WeakList, has_subclass, named_tensors, plain, refuse_inside_step, storage_key
 from .base import Rule, register
 
 if TYPE_CHECKING:
@@ -105,7 +106,10 @@ class WeightDecay(Rule):
         has_grad: tuple[bool, ...] | bool = True if not _any_none(grads) else tuple(g is not None for g in grads)
         groups = opt.param_groups
         lrs = tuple([float(g["lr"]) for g in groups]) if self.scale_by_lr else ()
-        key = (id(opt), tuple([id(g["params"]) for g in groups]), tuple([len(g["params"]) for g in groups]), lrs, has_grad)
+        # the storage too: model.to() / .data = change the device and dtype the cached groups and factors are for
+        storage = storage_key([t for t in live if t is not None], self._sub)
+        key = (id(opt), tuple([id(g["params"]) for g in groups]), tuple([len(g["params"]) for g in groups]), lrs, has_grad,
+               storage)
         if key != self._key:
             mask = (True,) * len(live) if has_grad is True else has_grad
             self._build(opt, live, mask)
@@ -144,6 +148,7 @@ class WeightDecay(Rule):
                 stacklevel=2,
             )
         self._written = written
+        self._rows_version += 1
         self._groups = []
         if ts:
             grouped = _group_tensors_by_device_and_dtype([ts], with_indices=True)
@@ -157,6 +162,9 @@ class WeightDecay(Rule):
                     # (1 - 1e-3 becomes 1.0 in bfloat16) while Tensor.mul_ computes in float32.
                     fs = list(torch.tensor(fs, dtype=torch.float64 if dt == torch.float64 else torch.float32).unbind())
                 self._groups.append(([written[i] for i in idx], fs))
+
+    def restore(self, saved: Any) -> None:
+        self._live, self._written_ts = [], []  # a failed commit: hold nothing past it
 
     # --- commit ------------------------------------------------------------------
     def apply(self, ctx: CommitContext) -> None:

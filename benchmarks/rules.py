@@ -16,8 +16,9 @@ median of the rounds):
   ``atomic=True`` and with ``atomic=False``;
 * ``loop``: a hand-written per-parameter Python loop (the Keras formula per tensor);
 * ``foreach``: bare ``torch._foreach_*`` calls on precomputed lists (the
-  row norms of max_norm with one ``vector_norm`` per tensor, as pu does on CPU:
-  PyTorch has no foreach norm along a dim).
+  row norms of max_norm as pu computes them on CPU, since PyTorch has no
+  foreach norm along a dim: one ``vector_norm`` over the concatenated small
+  weights of each row length, one per large weight).
 
 Part A isolates the rules: the optimizer's ``step`` does nothing (so the time is
 the rules plus what pu adds). Part B adds a real ``SGD(foreach=True)`` step to
@@ -108,7 +109,14 @@ def foreach_variant(real_opt: bool):
     params = list(model.parameters())
     weights = [p for p in params if p.ndim == 2]
     avg = [p.detach().clone() for p in params]
-    counts = [w.shape[0] for w in weights]
+    # The row norms as pu computes them on CPU (torch has no foreach norm over a dim): the small
+    # weights of one row length concatenated into one vector_norm, the large ones one call each.
+    cat_max = pu.rules.constraints.CAT_NUMEL
+    batches: dict = {}
+    for w in weights:
+        batches.setdefault(w.shape[1] if w.numel() <= cat_max else None, []).append(w)
+    ordered = [w for b in batches.values() for w in b]
+    counts = [w.shape[0] for w in ordered]
     # 0-dim factors, as pu uses on CPU for float32 (2-3x faster than a Python scalar there, same bits)
     factors = list(torch.full((len(weights),), 1 - LR * WD).unbind())
 
@@ -116,10 +124,15 @@ def foreach_variant(real_opt: bool):
         with torch.no_grad():
             torch._foreach_mul_(weights, factors)
             opt.step()
-            # no foreach norm over a dim exists: one vector_norm per tensor (as pu does on CPU)
-            n = torch.cat([torch.linalg.vector_norm(w, dim=(1,)).view(-1, 1) for w in weights])
+            parts = []
+            for cols, b in batches.items():
+                if cols is None:
+                    parts.extend(torch.linalg.vector_norm(w, dim=(1,)) for w in b)
+                else:
+                    parts.append(torch.linalg.vector_norm(torch.cat(b), dim=(1,)))
+            n = torch.cat(parts).view(-1, 1)
             f = n.clamp(0, MAX).div_(n + EPS)
-            torch._foreach_mul_(weights, list(f.split(counts)))
+            torch._foreach_mul_(ordered, list(f.split(counts)))
             torch._foreach_lerp_(avg, params, 1 - DECAY)
 
     return run, model

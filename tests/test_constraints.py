@@ -106,11 +106,25 @@ def test_clamp():
     assert torch.equal(_foreach(pu.clamp(-1, 1), [i])[0], i.clamp(-1, 1))
 
 
-@pytest.fixture(params=["per_tensor_norms", "segment_reduce"])
+@pytest.fixture(params=["per_tensor_norms", "concatenated_norms", "segment_reduce"])
 def strategy(request, monkeypatch):
-    """Both row-norm strategies (CPU: per tensor; accelerators: one segment_reduce), checked on CPU."""
+    """Every row-norm strategy, checked on CPU: per tensor and concatenated small tensors (CPU),
+    one segment_reduce (accelerators)."""
     monkeypatch.setattr(pu.rules.constraints, "FORCE_SEGMENTS", request.param == "segment_reduce")
+    monkeypatch.setattr(pu.rules.constraints, "CAT_NUMEL", 0 if request.param == "per_tensor_norms" else 1 << 20)
     return request.param
+
+
+def test_cpu_concatenated_row_norms_are_bitwise_the_per_tensor_ones(monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    shapes = [(8, 3), (5, 3), (4, 3, 2, 2), (6, 3, 2, 2), (2, 9), (7, 9), (3, 5, 4), (6, 5, 4), (300, 20)]
+    ts = [torch.randn(s, generator=g) * 3 for s in shapes]
+    for c in [pu.max_norm(1.0), pu.max_norm(1.0, dim=-1), pu.unit_norm(dim=1), pu.min_max_norm(0.5, 2.0, 0.3)]:
+        monkeypatch.setattr(pu.rules.constraints, "CAT_NUMEL", 0)
+        each = _foreach(c, ts)
+        monkeypatch.setattr(pu.rules.constraints, "CAT_NUMEL", 4096)
+        for a, b in zip(_foreach(c, ts), each):
+            assert torch.equal(a, b), c
 
 
 def test_foreach_path_equals_reference_over_mixed_shapes_and_dtypes(strategy):

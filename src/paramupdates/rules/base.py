@@ -84,6 +84,17 @@ class Rule:
     def apply(self, ctx: CommitContext) -> None:
         raise NotImplementedError
 
+    _rows_version = 0  # a subclass bumps it when what rows() shows changes (its tensors)
+    _rows_cache: tuple[Any, int, int, list[ScheduleEntry]] | None = None
+
+    def cached_rows(self, index: ModelIndex) -> list[ScheduleEntry]:
+        """:meth:`rows`, recomputed only when ``index`` or the rule's tensors changed (every commit asks)."""
+        c = self._rows_cache
+        if c is None or c[0]() is not index or c[1] != index.generation or c[2] != self._rows_version:
+            c = (weakref.ref(index), index.generation, self._rows_version, self.rows(index))
+            self._rows_cache = c
+        return c[3]
+
     def rows(self, index: ModelIndex) -> list[ScheduleEntry]:
         ts = self.tensors()
         names = [index.name_of(t) or "?" for t in ts[:3]]

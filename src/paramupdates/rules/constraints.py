@@ -34,8 +34,11 @@ PyTorch has no foreach norm along a dim, so the norms are computed
 
 * on accelerators (launch bound): in one ``segment_reduce`` over a
   ``torch._chunk_cat`` of the group;
-* on CPU (memory bound, where that copy costs more than it saves): with one
-  ``torch.linalg.vector_norm`` per tensor, the only per-tensor call.
+* on CPU: small tensors (at most ``CAT_NUMEL`` elements) of one trailing
+  shape concatenated into one ``torch.linalg.vector_norm`` call (per-call
+  overhead dominates them); large ones (memory bound, where that copy costs
+  more than it saves) with one ``vector_norm`` each, the only per-tensor call.
+  The row norms are bitwise those of the per-tensor call.
 """
 
 from __future__ import annotations
@@ -134,10 +137,23 @@ class _Norm(Constraint):
                 by_rank.setdefault((t.device, t.dtype, t.ndim, self.dim % t.ndim), []).append(i)
         rows = []
         for (dev, _dt, nd, d), idx in by_rank.items():
-            counts = [ts[i].shape[d] for i in idx]
-            per_row = [ts[i].numel() // ts[i].shape[d] if ts[i].shape[d] else 0 for i in idx]
-            lengths = torch.tensor(per_row, dtype=torch.long).repeat_interleave(torch.tensor(counts)).to(dev)
-            rows.append((idx, d, counts, lengths, nd))
+            if use_segments(dev):
+                counts = [ts[i].shape[d] for i in idx]
+                per_row = [ts[i].numel() // ts[i].shape[d] if ts[i].shape[d] else 0 for i in idx]
+                lengths = torch.tensor(per_row, dtype=torch.long).repeat_interleave(torch.tensor(counts)).to(dev)
+                rows.append((idx, d, counts, lengths, nd))
+                continue
+            # CPU: small tensors of one trailing shape are concatenated and reduced in one call
+            # (the copy costs less than the per-call overhead it saves); large ones one call each.
+            batches: dict[Any, list[int]] = {}
+            for i in idx:
+                t = ts[i]
+                trail = tuple(s for j, s in enumerate(t.shape) if j != d)
+                key = ("cat", trail) if t.numel() <= CAT_NUMEL and nd > 1 else ("each",)
+                batches.setdefault(key, []).append(i)
+            order = [i for b in batches.values() for i in b]
+            kinds = [(k[0] == "cat", len(b)) for k, b in batches.items()]
+            rows.append((order, d, [ts[i].shape[d] for i in order], kinds, nd))
         wholes = []
         if whole:
             sub = [ts[i] for i in whole]
@@ -150,25 +166,37 @@ class _Norm(Constraint):
             group = [ts[i] for i in idx]
             n = torch.stack(torch._foreach_norm(group))
             torch._foreach_mul_(group, list(self.factor(n).unbind(0)))
-        for idx, d, counts, lengths, nd in rows:
+        for idx, d, counts, lengths, nd in rows:  # lengths: segment lengths, or CPU batches (cat?, size)
             # kept dim first (views: writes reach the tensors)
             vs = [ts[i] for i in idx] if d == 0 else [ts[i].movedim(d, 0) for i in idx]
             shape = (-1, *([1] * (nd - 1)))
-            if not use_segments(lengths.device):
-                # CPU: memory bound; one reading pass per tensor beats copying the group into one buffer
-                # (torch has no foreach norm over a dim; this is the one per-tensor call).
-                dims = tuple(range(1, nd))
-                n = torch.cat([torch.linalg.vector_norm(v, dim=dims).view(shape) for v in vs]) if dims else None
-                if n is None:
-                    n = torch.cat(torch._foreach_abs(vs)).view(shape)
-            else:
+            if isinstance(lengths, torch.Tensor):
                 # accelerators: launch bound; the whole group in a handful of kernels
                 flat = _flat(vs)
                 n = torch.segment_reduce(flat.square_(), "sum", lengths=lengths, unsafe=True).sqrt_().view(shape)
+            elif nd == 1:
+                n = torch.cat(torch._foreach_abs(vs)).view(shape)
+            else:
+                # CPU (torch has no foreach norm over a dim): one vector_norm per batch of small
+                # tensors of one trailing shape, one per large tensor (memory bound: no copy).
+                dims = tuple(range(1, nd))
+                parts: list[torch.Tensor] = []
+                at = 0
+                for cat, k in lengths:
+                    batch = vs[at:at + k]
+                    at += k
+                    if cat:
+                        parts.append(torch.linalg.vector_norm(torch.cat(batch) if k > 1 else batch[0], dim=dims))
+                    else:
+                        parts.extend(torch.linalg.vector_norm(v, dim=dims) for v in batch)
+                n = (torch.cat(parts) if len(parts) > 1 else parts[0]).view(shape)
             torch._foreach_mul_(vs, list(self.factor(n).split(counts)))
 
 
 FORCE_SEGMENTS = False  # tests set it to check the accelerator strategy on CPU
+CAT_NUMEL = 4096
+"""CPU: tensors of at most this many elements are concatenated for their row norms. Above it, copying
+costs more than the ~2 us per call it saves (measured: benchmarks/rules.py, "tiny"/"small" vs "large")."""
 
 
 def use_segments(device: torch.device) -> bool:
@@ -342,7 +370,7 @@ class Constrain(Rule):
         return self._tensors.live()
 
     def tensors(self) -> list[torch.Tensor]:
-        return self._tensors.live()
+        return self._live or self._tensors.live()  # during a commit: the tensors check() saw
 
     def alive(self) -> bool:
         return self._tensors.alive()
@@ -357,7 +385,11 @@ class Constrain(Rule):
                     self.constraint.validate(ctx.index.name_of(t) or name, t, self.origin)
                 self._plan = None if isinstance(self.constraint, CallableConstraint) else self.constraint.plan(ts)
             self._key = key
+            self._rows_version += 1
         self._live = ts  # held for this commit only
+
+    def restore(self, saved: Any) -> None:
+        self._live = []  # a failed commit: hold nothing past it
 
     def apply(self, ctx: CommitContext) -> None:
         if isinstance(self.constraint, CallableConstraint):

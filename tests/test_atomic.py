@@ -115,8 +115,8 @@ def test_no_snapshot_after_the_last_fallible_stage(monkeypatch):
     from paramupdates import transaction
 
     copied = []
-    real = transaction._clone_all
-    monkeypatch.setattr(transaction, "_clone_all", lambda ts: copied.extend(map(id, ts)) or real(ts))
+    real = transaction._copies
+    monkeypatch.setattr(transaction, "_copies", lambda pool, ts: copied.extend(map(id, ts)) or real(pool, ts))
     m, opt = _trained()
     pu.weight_decay(m, 0.1)
     pu.constrain(m.lin.weight, pu.max_norm(0.5))
@@ -144,10 +144,78 @@ def test_atomic_false_takes_no_snapshot(monkeypatch):
     from paramupdates import transaction
 
     copied = []
-    monkeypatch.setattr(transaction, "_clone_all", lambda ts: copied.append(ts) or list(ts))
+    monkeypatch.setattr(transaction, "_copies", lambda pool, ts: copied.append(ts) or [])
     m = Counter()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     pu.weight_decay(m, 0.1)
     with pu.step(m, opt, atomic=False):
         m(torch.randn(4, 3)).sum().backward()
     assert copied == []
+
+
+def _failing_step(m, opt, stepper):
+    opt.fail = True
+    with pytest.raises(RuntimeError, match="optimizer failed"):
+        with stepper:
+            m(torch.randn(4, 3)).sum().backward()
+            pu.assign_add(m.lin.bias, 1.0, phase="before_grad")
+    opt.fail = False
+
+
+def test_rollback_copies_reuse_kept_cpu_buffers_and_still_restore_bitwise():
+    """CPU rollback copies live in buffers kept between commits (no fresh allocation per step)."""
+    from paramupdates import transaction
+
+    m = Counter()
+    opt = Boom(m.parameters(), lr=0.1, momentum=0.9)
+    opt.fail = False
+    pu.weight_decay(m, 0.1)
+    s = pu.Stepper(m, opt)
+    seen = []
+    real = transaction._copies
+    transaction_copies = lambda pool, ts: seen.append(out := real(pool, ts)) or out  # noqa: E731
+    mp = pytest.MonkeyPatch()
+    mp.setattr(transaction, "_copies", transaction_copies)
+    try:
+        for _ in range(3):
+            with s:
+                m(torch.randn(4, 3)).sum().backward()
+            opt.zero_grad()
+        first, last = seen[-4:-2], seen[-2:]  # two protects per commit: decayed weight, then the rest
+        for a, b in zip(first, last):
+            assert [id(c) for _, cs in a for c in cs] == [id(c) for _, cs in b for c in cs]
+        before = snapshot(m, opt)
+        _failing_step(m, opt, s)  # the kept buffers hold this step's copies: restored from them
+        assert_same(before, snapshot(m, opt))
+        # a moved model (new storage, new dtype) gets new copies, and rollback is still exact
+        m.double()
+        opt.state.clear()
+        with s:
+            m(torch.randn(4, 3, dtype=torch.float64)).sum().backward()
+        opt.zero_grad()
+        before = snapshot(m, opt)
+        n = len(seen)
+        opt.fail = True
+        with pytest.raises(RuntimeError, match="optimizer failed"):
+            with s:
+                m(torch.randn(4, 3, dtype=torch.float64)).sum().backward()
+        opt.fail = False
+        assert all(c.dtype == torch.float64 for copies in seen[n:] for _, cs in copies for c in cs if c.is_floating_point())
+        assert_same(before, snapshot(m, opt))
+    finally:
+        mp.undo()
+
+
+def test_kept_rollback_copies_follow_a_reshaped_view_of_the_same_storage():
+    """Same tensor, same data_ptr, new size (p.data = p.data[:1]): a new copy of the new size."""
+    from paramupdates._snapshot import SnapshotPool
+
+    pool = SnapshotPool()
+    t = torch.arange(6.0)
+    (ts, cs), = pool.copies([t])
+    pool.end_commit()
+    t.data = t.data[:2]
+    (ts2, cs2), = pool.copies([t])
+    assert cs2[0].shape == (2,) and torch.equal(cs2[0], torch.tensor([0.0, 1.0]))
+    pool.end_commit()
+    assert len(pool._plans) == 1  # the plan of the old size was dropped with its buffer

@@ -28,6 +28,7 @@ from torch import nn
 
 from . import _state
 from ._origin import call_site
+from ._snapshot import SnapshotPool
 from .errors import UpdateError
 from .integrations.distributed import check_group
 from .rules.base import rules_for
@@ -75,6 +76,7 @@ class _Owner:
         self.steps = 0
         self.skipped_steps = 0
         self._last = Schedule()
+        self._pool = SnapshotPool()  # rollback copies kept between this owner's commits (CPU)
 
     def _new_tx(self, label: str) -> Transaction:
         return Transaction(
@@ -86,6 +88,7 @@ class _Owner:
             label=label,
             process_group=self.process_group,
             sync_timeout=self.sync_timeout,
+            pool=self._pool,
         )
 
     def schedule(self) -> Schedule:

@@ -24,9 +24,10 @@ Commit (rules 4, 7)
     2. ``before_grad`` -> the optimizer's step -> ``after_grad`` ->
        ``auxiliary`` -> ``after_step``: in each phase the declared rules (in
        declaration order), then the recorded updates (in issue order);
-    3. before a tensor is first written, it is snapshotted (one
-       ``torch._foreach_clone`` per device and dtype; the optimizer's
-       parameters and state likewise), so an exception in the commit restores
+    3. before a tensor is first written, it is snapshotted (one foreach copy
+       per device and dtype, into buffers kept between commits on CPU: see
+       ``_snapshot``; the optimizer's parameters and state likewise), so an
+       exception in the commit restores
        every tensor bitwise. Snapshots are taken only while a *fallible* stage
        is still to come (the optimizer's step, a rule that does not declare
        itself ``infallible``, e.g. a user-callable constraint): what is written
@@ -52,6 +53,7 @@ from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from . import _state, conditions
 from ._ops import apply_op, check_operand
+from ._snapshot import Copies, SnapshotPool, clone_all
 from .errors import AmbiguousOrderError, UpdateError
 from .rules.base import Rule, rules_for
 from .schedule import (
@@ -173,8 +175,10 @@ class Transaction:
         process_group: Any = None,
         sync_timeout: float | None = None,
         seq: int | None = None,
+        pool: SnapshotPool | None = None,
     ) -> None:
         self.index = index
+        self.pool = pool  # where rollback copies live (kept CPU buffers); None: fresh copies
         # Rule 9: synced values are reduced over ``process_group`` (None: the
         # default group), waiting at most ``sync_timeout`` seconds; ``seq``
         # (set by the owner when the commit begins) numbers its steps, so
@@ -195,7 +199,7 @@ class Transaction:
         self.done_phases: set[str] = set()
         self._opt_ids: set[int] | None = None
         self._protected: set[int] = set()
-        self._snapshots: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+        self._snapshots: Copies = []
         # Fallible stages (optimizer step, rules not declared infallible) still to run.
         self._fallible_left = 1 << 30
         self._opt_saved: dict[int, tuple[torch.Tensor, dict | None]] | None = None
@@ -419,7 +423,7 @@ class Transaction:
                 continue
             for rule in self.rules:
                 if rule.phase == phase:
-                    rows.extend(rule.rows(self.index))
+                    rows.extend(rule.cached_rows(self.index))
             for e, r in self.order:
                 if r.phase == phase:
                     cond = "-" if r.cond is None else "when(tensor)"
@@ -514,9 +518,7 @@ class Transaction:
             return
         seen.update(map(id, fresh))
         with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
-            grouped = _group_tensors_by_device_and_dtype([fresh])
-            for _k, ([ts], _) in grouped.items():
-                self._snapshots.append((list(ts), _clone_all(ts)))
+            self._snapshots.extend(_copies(self.pool, fresh))
 
     def protect_optimizer(self, all_params: bool) -> None:
         opt = self.optimizer
@@ -559,7 +561,13 @@ class Transaction:
                     state[p] = st
         for r, saved in self._rule_saved:
             r.restore(saved)
+        self._end()
+
+    def _end(self) -> None:
         self.state = "closed"
+        self._snapshots = []
+        if self.pool is not None:
+            self.pool.end_commit()
 
     # --- phases ----------------------------------------------------------
     def run_phase(self, phase: str) -> None:
@@ -627,7 +635,7 @@ class Transaction:
         self._dirty_pending.clear()
 
     def finish(self) -> None:
-        self.state = "closed"
+        self._end()
 
 
 _ADOPT: Any = None
@@ -648,12 +656,11 @@ def _adopt_torch_segment() -> None:
     _ADOPT()
 
 
-def _clone_all(ts: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Bitwise copies of ``ts`` (one foreach call where available)."""
-    clone = getattr(torch, "_foreach_clone", None)
-    if clone is not None:
-        return list(clone(ts))
-    return [t.clone() for t in ts]  # pragma: no cover - torch without _foreach_clone
+def _copies(pool: SnapshotPool | None, ts: list[torch.Tensor]) -> Copies:
+    """Rollback copies of ``ts``, per device and dtype (kept buffers from ``pool`` on CPU; see ``_snapshot``)."""
+    if pool is not None:
+        return pool.copies(ts)
+    return [(list(g), clone_all(list(g))) for _k, ([g], _) in _group_tensors_by_device_and_dtype([ts]).items()]
 
 
 def route(t: torch.Tensor, origin: str, op: str) -> tuple[Transaction | None, Entry | None]:

@@ -190,7 +190,7 @@ class _Norm(Constraint):
                     else:
                         parts.extend(torch.linalg.vector_norm(v, dim=dims) for v in batch)
                 n = (torch.cat(parts) if len(parts) > 1 else parts[0]).view(shape)
-            torch._foreach_mul_(vs, list(self.factor(n).split(counts)))
+            torch._foreach_mul_(vs, self.factor(n).split_with_sizes(counts))
 
 
 FORCE_SEGMENTS = False  # tests set it to check the accelerator strategy on CPU

@@ -93,6 +93,7 @@ class EMA(Rule):
         self._dst = dst
         self._avg = avg
         self._sub = has_subclass(src) or has_subclass(dst)
+        self._pairs = src + dst  # what check() keys on
         self._key: tuple | None = None
         self._lerp: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
         self._copy: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
@@ -130,7 +131,7 @@ class EMA(Rule):
 
     def check(self, ctx: CommitContext) -> None:
         """Before any write: the pairs still match (a moved model or copy is an error, not a half-update)."""
-        key = storage_key(self._src, self._sub) + storage_key(self._dst, self._sub)
+        key = storage_key(self._pairs, self._sub)
         if key != self._key:
             self._build()
             self._key = key

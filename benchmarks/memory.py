@@ -8,7 +8,9 @@ of a ``pu.step`` / ``pu.attach`` step over the hand-written eager step is
 compared with the bytes of the tensors the step actually updates (parameters,
 optimizer state, running statistics): the goal is at most one extra copy
 (the commit's rollback snapshot, plus the pending values that replace the
-in-place writes).
+in-place writes). On CPU the rollback copies live in buffers kept between
+commits (``paramupdates._snapshot``): they are live when the step begins, so
+they are added to pu's peaks here.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def step_fns(variant: str, model: nn.Module, opt: torch.optim.Optimizer, x, y) -
                 F.cross_entropy(model(x), y).backward()
                 _mark()
 
-        return run, None
+        return run, stepper
     att = pu.attach(model, opt) if variant == "pu.attach" else None
 
     def run() -> None:
@@ -97,15 +99,16 @@ def updated_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
 
 def _measure(variant: str, bn: type[nn.Module], x, y) -> tuple[int, int, int]:
     model, opt = build(bn)
-    fn, att = step_fns(variant, model, opt, x, y)
+    fn, owner = step_fns(variant, model, opt, x, y)
     try:
         for _ in range(2):
             fn()
         peaks = [peak_bytes(fn) for _ in range(3)]
+        kept = owner._pool.nbytes() if owner is not None else 0  # live before the step begins
     finally:
-        if att is not None:
-            att.detach()
-    return min(p for p, _ in peaks), min(c for _, c in peaks), updated_bytes(model, opt)
+        if isinstance(owner, pu.Attachment):
+            owner.detach()
+    return min(p for p, _ in peaks) + kept, min(c for _, c in peaks) + kept, updated_bytes(model, opt)
 
 
 def run() -> list[dict]:

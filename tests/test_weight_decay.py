@@ -237,6 +237,26 @@ def test_declared_after_the_stepper_and_shown_in_schedule():
     assert stepper.schedule().phases().index("before_grad") < stepper.schedule().phases().index("grad")
 
 
+def test_schedule_row_follows_what_each_commit_decays():
+    """The rule's schedule rows are cached between commits, and rebuilt when what it decays changes."""
+    m = _net()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    pu.weight_decay(m, 0.1)
+    stepper = pu.Stepper(m, opt)
+
+    def target(loss_of):
+        with stepper:
+            loss_of().backward()
+        opt.zero_grad(set_to_none=True)
+        return [r.target for r in stepper.schedule() if r.op == "weight_decay"]
+
+    both = lambda: m[0].weight.sum() + m[2].weight.sum()  # noqa: E731
+    assert target(both) == ["2 tensors (0.weight, 2.weight)"]
+    assert target(both) == ["2 tensors (0.weight, 2.weight)"]
+    assert target(lambda: m[2].weight.sum()) == ["2.weight"]  # 0.weight has no gradient: not decayed
+    assert target(both) == ["2 tensors (0.weight, 2.weight)"]
+
+
 def test_bad_arguments():
     m = _net()
     with pytest.raises(ValueError, match="rate must be >= 0"):

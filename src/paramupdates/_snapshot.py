@@ -84,6 +84,11 @@ class SnapshotPool:
             self._plans = {k: v for k, v in self._plans.items() if k in self._used}
         self._used = set()
 
+    def nbytes(self) -> int:
+        """Bytes of the kept copies (live between commits)."""
+        return sum(c.numel() * c.element_size() for plan in self._plans.values() for _, kept in plan if kept
+                   for c in kept)
+
     def clear(self) -> None:
         self._plans.clear()
         self._used = set()

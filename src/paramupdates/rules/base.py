@@ -84,11 +84,16 @@ class Rule:
     def apply(self, ctx: CommitContext) -> None:
         raise NotImplementedError
 
-    _rows_version = 0  # a subclass bumps it when what rows() shows changes (its tensors)
+    # A subclass that sets ``rows_tracked = True`` bumps ``_rows_version`` whenever what
+    # rows() shows changes (its tensors); its rows are then cached between commits.
+    rows_tracked = False
+    _rows_version = 0
     _rows_cache: tuple[Any, int, int, list[ScheduleEntry]] | None = None
 
     def cached_rows(self, index: ModelIndex) -> list[ScheduleEntry]:
-        """:meth:`rows`, recomputed only when ``index`` or the rule's tensors changed (every commit asks)."""
+        """:meth:`rows`; for a ``rows_tracked`` rule recomputed only when ``index`` or its tensors changed."""
+        if not self.rows_tracked:
+            return self.rows(index)
         c = self._rows_cache
         if c is None or c[0]() is not index or c[1] != index.generation or c[2] != self._rows_version:
             c = (weakref.ref(index), index.generation, self._rows_version, self.rows(index))

@@ -353,6 +353,7 @@ class Constrain(Rule):
 
     phase = AFTER_GRAD
     per_optimizer_update = True
+    rows_tracked = True  # _rows_version bumped when its plan is rebuilt
 
     def __init__(self, named: list[tuple[str, torch.Tensor]], constraint: Constraint, origin: str) -> None:
         super().__init__(origin)

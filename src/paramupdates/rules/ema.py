@@ -65,6 +65,7 @@ class EMA(Rule):
     kind = "ema"
     infallible = True  # foreach lerp/copy on pairs validated in check()
     per_optimizer_update = True
+    rows_tracked = True  # fixed rows (rows() reads only what __init__ set)
 
     def __init__(
         self, model: nn.Module, module: nn.Module, decay: float, warmup: Warmup, include_buffers: bool, origin: str

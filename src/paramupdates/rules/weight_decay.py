@@ -63,6 +63,7 @@ class WeightDecay(Rule):
     kind = "weight_decay"
     infallible = True  # foreach mul by Python floats on floating tensors: validated at declaration
     per_optimizer_update = True
+    rows_tracked = True  # _rows_version bumped when its plan is rebuilt
 
     def __init__(self, named: list[tuple[str, torch.Tensor, float]], scale_by_lr: bool, origin: str) -> None:
         super().__init__(origin)

@@ -291,3 +291,45 @@ def test_attach_after_lr_scheduler_keeps_its_step_tracking():
         opt.step()
         sched.step()
     assert "_wrapped_by_lr_sched" in opt.step.__dict__
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_kept_rollback_copies_restore_adamw_after_many_commits(when):
+    """The CPU rollback copies are reused from commit to commit; a fault after several
+    commits (AdamW state with its step counters, weight decay, a constraint, an EMA) still
+    restores everything bitwise, and training then continues exactly as without the fault
+    (once the failed step's gradients are zeroed, as after a plain optimizer.step() that raises)."""
+    def make():
+        torch.manual_seed(0)
+        m = Net()
+        opt = Flaky(m.parameters(), lr=0.1, weight_decay=0.0)
+        pu.weight_decay(m, 0.05)
+        pu.constrain(m.lin.weight, pu.max_norm(0.5))
+        avg = pu.ema(m, 0.9)
+        return m, opt, avg, pu.Stepper(m, opt)
+
+    def step(m, opt, s, i):
+        with s:
+            m(data(i)).backward()
+        opt.zero_grad()
+
+    m, opt, avg, s = make()
+    ref, ref_opt, ref_avg, ref_s = make()
+    for i in range(4):
+        step(m, opt, s, i)
+        step(ref, ref_opt, ref_s, i)
+    before = snapshot(m, opt, avg)
+    opt.fail = when
+    with pytest.raises(Injected):
+        step(m, opt, s, 4)
+    opt.fail = None
+    assert_same(before, snapshot(m, opt, avg))
+    assert m.lin.weight.grad is not None  # .grad is not restored: the failed step's gradients are still there
+    opt.zero_grad()
+    for i in range(4, 7):
+        step(m, opt, s, i)
+        step(ref, ref_opt, ref_s, i)
+    assert_same(snapshot(ref, ref_avg), snapshot(m, avg))
+    for (ka, sa), (kb, sb) in zip(ref_opt.state_dict()["state"].items(), opt.state_dict()["state"].items()):
+        assert ka == kb and sa.keys() == sb.keys()
+        assert all(torch.equal(bits(sa[k]), bits(sb[k])) for k in sa), ka

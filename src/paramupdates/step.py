@@ -31,6 +31,7 @@ from ._origin import call_site
 from ._snapshot import SnapshotPool
 from .errors import UpdateError
 from .integrations.distributed import check_group
+from .rules._fast import RuleCache
 from .rules.base import rules_for
 from .schedule import AFTER_GRAD, AFTER_STEP, AUXILIARY, BEFORE_GRAD, Schedule
 from .targets import index_of
@@ -77,6 +78,7 @@ class _Owner:
         self.skipped_steps = 0
         self._last = Schedule()
         self._pool = SnapshotPool()  # rollback copies kept between this owner's commits (CPU)
+        self._rule_cache = RuleCache()  # what the last full check of the rules saw
 
     def _new_tx(self, label: str) -> Transaction:
         return Transaction(
@@ -89,6 +91,7 @@ class _Owner:
             process_group=self.process_group,
             sync_timeout=self.sync_timeout,
             pool=self._pool,
+            rule_cache=self._rule_cache,
         )
 
     def schedule(self) -> Schedule:

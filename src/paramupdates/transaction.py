@@ -55,6 +55,7 @@ from . import _state, conditions
 from ._ops import apply_op, check_operand
 from ._snapshot import Copies, SnapshotPool, clone_all
 from .errors import AmbiguousOrderError, UpdateError
+from .rules._fast import RuleCache
 from .rules.base import Rule, rules_for
 from .schedule import (
     AFTER_GRAD,
@@ -176,9 +177,11 @@ class Transaction:
         sync_timeout: float | None = None,
         seq: int | None = None,
         pool: SnapshotPool | None = None,
+        rule_cache: RuleCache | None = None,
     ) -> None:
         self.index = index
         self.pool = pool  # where rollback copies live (kept CPU buffers); None: fresh copies
+        self.rule_cache = rule_cache  # the owner's record of the last full rule check (rules/_fast.py)
         # Rule 9: synced values are reduced over ``process_group`` (None: the
         # default group), waiting at most ``sync_timeout`` seconds; ``seq``
         # (set by the owner when the commit begins) numbers its steps, so
@@ -475,8 +478,12 @@ class Transaction:
                 )
         if self.rules:
             ctx = CommitContext(self)
-            for rule in self.rules:
-                rule.check(ctx)  # before any write: a rule that cannot run fails here
+            cache = self.rule_cache
+            if cache is None or not cache.revalidate(self, ctx):
+                for rule in self.rules:
+                    rule.check(ctx)  # before any write: a rule that cannot run fails here
+                if cache is not None:
+                    cache.record(self)
         return True
 
     @staticmethod

@@ -84,6 +84,16 @@ class Rule:
     def apply(self, ctx: CommitContext) -> None:
         raise NotImplementedError
 
+    # --- the one-pass re-check (rules/_fast.py) --------------------------
+    def fingerprint(self) -> list[torch.Tensor] | None:
+        """After :meth:`check`: the tensors whose storage the rule's plan depends on (None: no fast path)."""
+        return None
+
+    def revalidate(self, ctx: CommitContext, held: list[torch.Tensor]) -> bool:
+        """In place of :meth:`check` when the storage of :meth:`fingerprint` (``held``) is unchanged:
+        re-check the rest cheaply and get ready to apply; False: run the full :meth:`check`."""
+        return False
+
     # A subclass that sets ``rows_tracked = True`` bumps ``_rows_version`` whenever what
     # rows() shows changes (its tensors); its rows are then cached between commits.
     rows_tracked = False

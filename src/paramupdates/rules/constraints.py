@@ -392,6 +392,15 @@ class Constrain(Rule):
     def restore(self, saved: Any) -> None:
         self._live = []  # a failed commit: hold nothing past it
 
+    def fingerprint(self) -> list[torch.Tensor] | None:
+        return self._live or None
+
+    def revalidate(self, ctx: CommitContext, held: list[torch.Tensor]) -> bool:
+        if self._key is None:
+            return False
+        self._live = held  # the plan depends on the storage alone, which the caller checked
+        return True
+
     def apply(self, ctx: CommitContext) -> None:
         if isinstance(self.constraint, CallableConstraint):
             self._apply_callable(ctx)

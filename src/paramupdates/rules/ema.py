@@ -138,6 +138,15 @@ class EMA(Rule):
             self._key = key
         self._weight = 1.0 - self.decay_at(self.updates)  # a user warmup callable fails here, before writes
 
+    def fingerprint(self) -> list[torch.Tensor] | None:
+        return self._pairs
+
+    def revalidate(self, ctx: CommitContext, held: list[torch.Tensor]) -> bool:
+        if self._key is None:
+            return False
+        self._weight = 1.0 - self.decay_at(self.updates)
+        return True
+
     def _build(self) -> None:
         with no_subclass():
             for name, s, d in zip(self.names, self._src, self._dst):

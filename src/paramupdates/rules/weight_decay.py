@@ -75,6 +75,7 @@ class WeightDecay(Rule):
         # indices into the declared tensors, never the tensors (a rule must not keep them alive)
         self._groups: list[tuple[list[int], list[Any]]] = []
         self._written: list[int] = []
+        self._all = False
         self._live: list[Any] = []
         self._written_ts: list[torch.Tensor] = []
         self._sub = has_subclass([t for _, t, _ in named])
@@ -101,22 +102,42 @@ class WeightDecay(Rule):
         if opt is None:  # pragma: no cover - collect_rules drops per-update rules without optimizer
             return
         live = [r() for r in self._tensors._refs]
+        small = self._opt_key(opt, live)
+        # the storage too: model.to() / .data = change the device and dtype the cached groups and factors are for
+        key = (small, storage_key([t for t in live if t is not None], self._sub))
+        if key != self._key:
+            has_grad = small[-1]
+            self._build(opt, live, (True,) * len(live) if has_grad is True else has_grad)
+            self._key = key
+        self._hold(live)
+
+    def _opt_key(self, opt: torch.optim.Optimizer, live: list[Any], all_alive: bool = False) -> tuple:
+        """What the plan depends on besides storage: the param groups, their lrs, which tensors have a gradient."""
         with plain(self._sub):
-            grads = list(map(_grad_of, live)) if not _any_none(live) else [None if t is None else _grad_of(t) for t in live]
+            if all_alive or not _any_none(live):
+                grads = list(map(_grad_of, live))
+            else:
+                grads = [None if t is None else _grad_of(t) for t in live]
         # the common case (every tensor alive with a gradient) without a per-tensor Python test
         has_grad: tuple[bool, ...] | bool = True if not _any_none(grads) else tuple(g is not None for g in grads)
         groups = opt.param_groups
         lrs = tuple([float(g["lr"]) for g in groups]) if self.scale_by_lr else ()
-        # the storage too: model.to() / .data = change the device and dtype the cached groups and factors are for
-        storage = storage_key([t for t in live if t is not None], self._sub)
-        key = (id(opt), tuple([id(g["params"]) for g in groups]), tuple([len(g["params"]) for g in groups]), lrs, has_grad,
-               storage)
-        if key != self._key:
-            mask = (True,) * len(live) if has_grad is True else has_grad
-            self._build(opt, live, mask)
-            self._key = key
+        return (id(opt), tuple([id(g["params"]) for g in groups]), tuple([len(g["params"]) for g in groups]), lrs, has_grad)
+
+    def _hold(self, live: list[Any]) -> None:
         self._live = live  # held for this commit only
-        self._written_ts = [live[i] for i in self._written]
+        self._written_ts = live if self._all else [live[i] for i in self._written]
+
+    def fingerprint(self) -> list[torch.Tensor] | None:
+        live = self._live
+        return None if not live or _any_none(live) else live
+
+    def revalidate(self, ctx: CommitContext, held: list[torch.Tensor]) -> bool:
+        opt = ctx.optimizer
+        if opt is None or self._key is None or self._opt_key(opt, held, all_alive=True) != self._key[0]:
+            return False
+        self._hold(held)
+        return True
 
     def _build(self, opt: torch.optim.Optimizer, live: list[Any], has_grad: tuple[bool, ...]) -> None:
         group_of: dict[int, int] = {}
@@ -149,6 +170,7 @@ class WeightDecay(Rule):
                 stacklevel=2,
             )
         self._written = written
+        self._all = written == list(range(len(live)))  # every covered tensor is decayed (the common case)
         self._rows_version += 1
         self._groups = []
         if ts:

@@ -578,15 +578,16 @@ class Transaction:
 
     # --- phases ----------------------------------------------------------
     def run_phase(self, phase: str) -> None:
-        ctx = CommitContext(self)
-        for rule in self.rules:
-            if rule.phase == phase:
-                written = rule.tensors()
-                self.protect(written)
-                with torch.no_grad():
+        rules = [r for r in self.rules if r.phase == phase]
+        if rules:
+            ctx = CommitContext(self)
+            with torch.no_grad():
+                for rule in rules:
+                    written = rule.tensors()
+                    self.protect(written)
                     rule.apply(ctx)
-                self._dirty_pending.append(written)
-                self.stage_done(not rule.infallible)
+                    self._dirty_pending.append(written)
+                    self.stage_done(not rule.infallible)
         in_phase = [(e, ps) for e in self.entries.values() if phase in (ps := e.phases())]
         if not in_phase:
             self.done_phases.add(phase)

@@ -9,7 +9,7 @@ through 2..8 ("tiny", 0.01 M elements: per-tensor overhead only), 8..48
 ("small", 0.36 M elements) or 32..128 ("large", 3 M elements: memory bound). One CPU thread (the
 machine is shared; OpenMP spinning under oversubscription distorts everything).
 
-Three ways of doing the same math, timed side by side (interleaved rounds,
+Four ways of doing the same math, timed side by side (interleaved rounds,
 median of the rounds):
 
 * ``pu``: one ``pu.Stepper`` commit (the rules run inside it), with the default
@@ -18,7 +18,10 @@ median of the rounds):
 * ``foreach``: bare ``torch._foreach_*`` calls on precomputed lists (the
   row norms of max_norm as pu computes them on CPU, since PyTorch has no
   foreach norm along a dim: one ``vector_norm`` over the concatenated small
-  weights of each row length, one per large weight).
+  weights of each row length, one per large weight);
+* ``foreach + checks``: ``foreach`` plus one pass over the storage of the tensors the
+  rules touch and one over the decayed weights' gradients: the least that a commit
+  which validates before writing (DESIGN rule 7) adds, i.e. the floor of pu / foreach;
 
 Part A isolates the rules: the optimizer's ``step`` does nothing (so the time is
 the rules plus what pu adds). Part B adds a real ``SGD(foreach=True)`` step to
@@ -138,6 +141,28 @@ def foreach_variant(real_opt: bool):
     return run, model
 
 
+_data_ptr = torch._C.TensorBase.data_ptr
+_grad_of = torch._C.TensorBase.grad.__get__
+
+
+def checked_foreach_variant(real_opt: bool):
+    """Bare foreach plus the least a commit that validates before writing must add: one pass over
+    the storage of every tensor the rules touch (a moved model must fail before any write) and one
+    over which decayed weights have a gradient (weight decay skips the others, as torch.optim does)."""
+    run, model = foreach_variant(real_opt)
+    params = list(model.parameters())
+    weights = [p for p in params if p.ndim == 2]
+    touched = params + [p.detach().clone() for p in params]  # the model's tensors and an average's
+    key = tuple(map(_data_ptr, touched))
+
+    def checked():
+        if tuple(map(_data_ptr, touched)) != key or any(g is None for g in map(_grad_of, weights)):
+            raise RuntimeError("changed")
+        run()
+
+    return checked, model
+
+
 def bench(real_opt: bool, rounds: int, iters: int) -> dict[str, float]:
     variants = {}
     for name, make in [
@@ -145,6 +170,7 @@ def bench(real_opt: bool, rounds: int, iters: int) -> dict[str, float]:
         ("pu (atomic=False)", lambda: pu_variant(real_opt, False)),
         ("loop", lambda: loop_variant(real_opt)),
         ("foreach", lambda: foreach_variant(real_opt)),
+        ("foreach + checks", lambda: checked_foreach_variant(real_opt)),
     ]:
         run, model = make()
         run()  # warm up (plans are built on the first commit)
@@ -166,6 +192,8 @@ def report(title: str, med: dict[str, float]) -> None:
     ceiling = med["loop"] / med["foreach"]
     print(f"  ceiling: loop / bare foreach = {ceiling:5.2f}x (the most any library built on torch's foreach "
           "kernels reaches here)")
+    print(f"  floor: (foreach + checks) / foreach = {med['foreach + checks'] / med['foreach']:5.3f}x (the least a commit "
+          "that validates before writing adds)")
     for flag in ("True", "False"):
         p = med[f"pu (atomic={flag})"]
         print(f"  atomic={flag:<5}: loop / pu = {med['loop'] / p:5.2f}x (goal >= 3)   "

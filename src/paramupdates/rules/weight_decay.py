@@ -76,6 +76,7 @@ class WeightDecay(Rule):
         self._groups: list[tuple[list[int], list[Any]]] = []
         self._written: list[int] = []
         self._all = False
+        self._direct = False  # _all, in one group in declaration order: apply to the live list as is
         self._live: list[Any] = []
         self._written_ts: list[torch.Tensor] = []
         self._sub = has_subclass([t for _, t, _ in named])
@@ -185,6 +186,7 @@ class WeightDecay(Rule):
                     # (1 - 1e-3 becomes 1.0 in bfloat16) while Tensor.mul_ computes in float32.
                     fs = list(torch.tensor(fs, dtype=torch.float64 if dt == torch.float64 else torch.float32).unbind())
                 self._groups.append(([written[i] for i in idx], fs))
+        self._direct = self._all and len(self._groups) == 1 and self._groups[0][0] == written
 
     def restore(self, saved: Any) -> None:
         self._live, self._written_ts = [], []  # a failed commit: hold nothing past it
@@ -193,8 +195,11 @@ class WeightDecay(Rule):
     def apply(self, ctx: CommitContext) -> None:
         live = self._live
         with plain(self._sub):
-            for idx, factors in self._groups:
-                torch._foreach_mul_([live[i] for i in idx], factors)
+            if self._direct:
+                torch._foreach_mul_(live, self._groups[0][1])  # every covered tensor, one device and dtype, in order
+            else:
+                for idx, factors in self._groups:
+                    torch._foreach_mul_([live[i] for i in idx], factors)
         self._live = []
         self._written_ts = []
 

@@ -186,3 +186,27 @@ def test_eval_forward_in_the_same_step_reads_pending_statistics():
         y = mod(x2)  # normalizes with the statistics x1 left pending (rule 1)
     _assert_bits(y_ref, y, "eval output")
     _assert_modules(ref, mod)
+
+
+def test_statistics_become_the_pending_values_without_a_copy():
+    """pu.nn hands the statistics it computed for an update over as they are (assign_fresh);
+    a user's assign still copies, so the user's later in-place writes cannot reach the step."""
+    from paramupdates.updates import assign_fresh
+
+    bn = pu.nn.BatchNorm1d(3)
+    x = torch.randn(8, 3)
+    with pu.step(bn):
+        fresh = bn.running_mean.clone().add_(1.0)
+        assign_fresh(bn.running_mean, fresh)
+        assert bn.running_mean.data_ptr() == fresh.data_ptr()  # the handed-over storage itself, not a copy
+        mine = torch.full((3,), 5.0)
+        pu.assign(bn.running_var, mine)
+        mine.fill_(7.0)  # after the assign: not seen by the step
+        assert torch.equal(bn.running_var, torch.full((3,), 5.0))
+        bn(x)
+    ref = torch.nn.BatchNorm1d(3)
+    with torch.no_grad():
+        ref.running_mean.add_(1.0)
+        ref.running_var.fill_(5.0)
+    ref(x)
+    assert torch.equal(bn.running_mean, ref.running_mean) and torch.equal(bn.running_var, ref.running_var)

@@ -23,12 +23,19 @@ from .errors import UpdateError
 OPS = ("assign", "assign_add", "assign_sub", "assign_key")
 
 
-def apply_op(op: str, old: torch.Tensor, operand: Any, key: Any, cond: torch.Tensor | None) -> torch.Tensor:
-    """``new`` for one update; ``old`` is never modified."""
+def apply_op(
+    op: str, old: torch.Tensor, operand: Any, key: Any, cond: torch.Tensor | None, fresh: bool = False
+) -> torch.Tensor:
+    """``new`` for one update; ``old`` is never modified.
+
+    ``fresh``: the operand of an ``assign`` was made for this update and nobody else holds or
+    writes it (``pu.nn``'s statistics): it becomes the pending value as is, without the
+    defensive copy that protects a user's tensor from the user's later in-place writes.
+    """
     with torch._C.DisableTorchFunctionSubclass():
         if op == "assign":
             if isinstance(operand, torch.Tensor):
-                new = operand.to(dtype=old.dtype, copy=True)
+                new = operand.to(dtype=old.dtype, copy=not fresh)
                 if new.shape != old.shape:
                     new = new.expand(old.shape).clone()
             else:

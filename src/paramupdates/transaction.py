@@ -271,7 +271,8 @@ class Transaction:
     # recording
     # ------------------------------------------------------------------
     def record(
-        self, e: Entry, op: str, operand: Any, key: Any, phase: str | None, sync: str | None, origin: str
+        self, e: Entry, op: str, operand: Any, key: Any, phase: str | None, sync: str | None, origin: str,
+        fresh: bool = False,
     ) -> None:
         fn = f"pu.{op}"
         if phase is None or phase == AUXILIARY:
@@ -316,7 +317,7 @@ class Transaction:
             if not e.trainable:
                 operand = operand.detach()
         old = _plain(self.current_of(e))
-        new = apply_op(op, old, operand, key, cond if isinstance(cond, torch.Tensor) else None)
+        new = apply_op(op, old, operand, key, cond if isinstance(cond, torch.Tensor) else None, fresh)
         if not e.trainable:
             new = new.detach()
         rec = Record(op, operand, key, cond if isinstance(cond, torch.Tensor) else None, phase, sync, origin)

@@ -36,7 +36,9 @@ from .targets import describe, owner_anywhere
 from .transaction import _plain, pending_value, route
 
 
-def _issue(op: str, target: torch.Tensor, operand: Any, key: Any, phase: str | None, sync: str | None) -> None:
+def _issue(
+    op: str, target: torch.Tensor, operand: Any, key: Any, phase: str | None, sync: str | None, fresh: bool = False
+) -> None:
     cond = conditions.current()
     if cond is False:
         return
@@ -56,7 +58,7 @@ def _issue(op: str, target: torch.Tensor, operand: Any, key: Any, phase: str | N
         return
     tx, entry = route(target, origin, op)
     if tx is not None and entry is not None:
-        tx.record(entry, op, operand, key, phase, sync, origin)
+        tx.record(entry, op, operand, key, phase, sync, origin, fresh)
         return
     if _state.replay is not None:
         # Re-issued by a pu.checkpoint recomputation: the forward already applied it (rule 3);
@@ -90,6 +92,12 @@ def _issue(op: str, target: torch.Tensor, operand: Any, key: Any, phase: str | N
 def assign(target: torch.Tensor, value: Any, *, phase: str | None = None, sync: str | None = None) -> None:
     """``target <- value`` (rule 4 phase ``phase``; see the module docstring)."""
     _issue("assign", target, value, None, phase, sync)
+
+
+def assign_fresh(target: torch.Tensor, value: torch.Tensor, *, sync: str | None = None) -> None:
+    """``assign`` of a tensor the caller made for this update and never touches again (``pu.nn``'s
+    statistics): inside a step it becomes the pending value without a defensive copy. Internal."""
+    _issue("assign", target, value, None, None, sync, True)
 
 
 def assign_add(target: torch.Tensor, delta: Any, *, phase: str | None = None, sync: str | None = None) -> None:

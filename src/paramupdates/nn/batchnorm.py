@@ -48,7 +48,7 @@ from .. import _state, conditions
 from ..conditions import when
 from ..integrations.checkpoint import _torch_checkpoint_frame
 from ..integrations.distributed import is_distributed
-from ..updates import assign, assign_add
+from ..updates import assign, assign_add, assign_fresh
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "UpdateSafeBatchNorm"]
 
@@ -134,8 +134,8 @@ class UpdateSafeBatchNorm:
             new_var = rv.clone()
             out = F.batch_norm(input, new_mean, new_var, self.weight, self.bias, True, factor, self.eps)
         sync = self._sync()
-        assign(rm, new_mean, sync=sync)
-        assign(rv, new_var, sync=sync)
+        assign_fresh(rm, new_mean, sync=sync)  # made above for this update alone: no defensive copy
+        assign_fresh(rv, new_var, sync=sync)
         return out
 
     def _functional_stats(self, input: Tensor, rm: Tensor, rv: Tensor, factor: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -281,8 +281,8 @@ class SyncBatchNorm(UpdateSafeBatchNorm, nn.SyncBatchNorm):
         assert rm is not None and rv is not None
         new_mean, new_var = rm.clone(), rv.clone()
         out = _SyncFn.apply(input, self.weight, self.bias, new_mean, new_var, self.eps, factor, world[0], world[1])
-        assign(rm, new_mean, sync=self._sync())
-        assign(rv, new_var, sync=self._sync())
+        assign_fresh(rm, new_mean, sync=self._sync())
+        assign_fresh(rv, new_var, sync=self._sync())
         return out
 
     def forward(self, input: Tensor) -> Tensor:  # noqa: D102 - see class docstring

@@ -212,10 +212,13 @@ def test_kept_rollback_copies_follow_a_reshaped_view_of_the_same_storage():
 
     pool = SnapshotPool()
     t = torch.arange(6.0)
+    assert pool.claim("commit 1")
     (ts, cs), = pool.copies([t])
-    pool.end_commit()
+    pool.end_commit("commit 1")
     t.data = t.data[:2]
+    assert pool.claim("commit 2")
+    assert not pool.claim("a commit nested in commit 2")  # it takes fresh copies instead
     (ts2, cs2), = pool.copies([t])
     assert cs2[0].shape == (2,) and torch.equal(cs2[0], torch.tensor([0.0, 1.0]))
-    pool.end_commit()
+    pool.end_commit("commit 2")
     assert len(pool._plans) == 1  # the plan of the old size was dropped with its buffer

@@ -4,10 +4,11 @@ import copy
 
 import pytest
 import torch
+from torch import nn
 
 import paramupdates as pu
 
-from conftest import bits
+from conftest import assert_same, bits, snapshot
 from models import Counter
 
 OPTS = {
@@ -123,3 +124,26 @@ def test_attach_skip_nonfinite_hides_gradients():
     opt.step()
     assert att.skipped_steps == 1 and torch.equal(m.lin.weight, w) and int(m.count) == 0
     assert m.lin.weight.grad is not None  # gradients restored for the user
+
+
+def test_pu_step_on_an_attached_optimizer_commits_once():
+    """A pu.step commit runs optimizer.step(); the attachment on that optimizer stands aside,
+    so the declared rules apply once (they applied twice: weight decay 0.95**2)."""
+    torch.manual_seed(0)
+    m = nn.Linear(3, 2, bias=False)
+    ref = copy.deepcopy(m)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for net in (m, ref):
+        pu.weight_decay(net, 0.5)
+    att = pu.attach(m, opt)
+    x = torch.randn(4, 3)
+    for net, o in ((m, opt), (ref, ref_opt)):
+        with pu.step(net, o):
+            net(x).pow(2).sum().backward()
+        o.zero_grad()
+    assert_same(snapshot(ref), snapshot(m))
+    assert att.steps == 0
+    m(x).pow(2).sum().backward()  # the attachment still commits a plain optimizer.step()
+    opt.step()
+    assert att.steps == 1

@@ -47,14 +47,16 @@ def _step(m, opt, stepper, seed):
 
 
 def _reference(steps, change=None):
-    """The same training with a fresh stepper per step: every commit runs the full checks."""
+    """The same training with the cache emptied before every commit: every commit runs the full checks."""
     m = _net()
     opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.5)
     averaged = _declare(m)
     for i in range(steps):
         if change is not None and i == 2:
             change(m, opt)
-        _step(m, opt, pu.Stepper(m, opt), i)
+        stepper = pu.Stepper(m, opt)
+        stepper._rule_cache.clear()
+        _step(m, opt, stepper, i)
     return m, opt, averaged
 
 
@@ -67,6 +69,25 @@ def test_steady_state_takes_the_one_pass_path_and_equals_the_full_checks(full_ch
         _step(m, opt, stepper, i)
     assert full_checks == {"weight_decay": 1, "constrain": 1, "ema": 1}
     ref, ref_opt, ref_avg = _reference(5)
+    assert_same(snapshot(ref, ref_avg), snapshot(m, averaged))
+
+
+def test_a_fresh_pu_step_per_iteration_shares_the_cache(full_checks):
+    """The usual loop opens pu.step(model, opt) per iteration: the cache (and the kept rollback
+    copies) belong to the model and optimizer, not to the step object."""
+    m = _net()
+    opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.5)
+    averaged = _declare(m)
+    copies = []
+    for i in range(4):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(i))
+        with pu.step(m, opt) as s:
+            m(x).pow(2).sum().backward()
+        opt.zero_grad()
+        copies.append([id(c) for plan in s._pool._plans.values() for _, kept in plan for c in kept])
+    assert full_checks == {"weight_decay": 1, "constrain": 1, "ema": 1}
+    assert copies[1] == copies[2] == copies[3] and copies[1]  # the same kept buffers every step
+    ref, ref_opt, ref_avg = _reference(4)
     assert_same(snapshot(ref, ref_avg), snapshot(m, averaged))
 
 

@@ -12,6 +12,8 @@ live:
   ``torch._foreach_copy_`` into kept buffers). The buffers are one extra copy
   of what the last commit protected, no more: plans that a commit did not use
   are dropped when it ends.
+* A commit that finds the buffers held by another commit still running (one
+  nested in the other's optimizer step) takes fresh copies.
 * Accelerator tensors get fresh copies (``torch._foreach_clone``): the caching
   allocator already reuses that memory, and a kept copy would hold memory that
   activations need between steps.
@@ -43,11 +45,18 @@ def clone_all(ts: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 class SnapshotPool:
-    """Rollback copies for the commits of one stepper or attachment (see the module docstring)."""
+    """Rollback copies for the commits on one model and optimizer (see the module docstring)."""
 
     def __init__(self) -> None:
         self._plans: dict[Any, list[tuple[list[torch.Tensor], list[torch.Tensor] | None]]] = {}
         self._used: set[Any] = set()
+        self._holder: Any = None  # the commit using the kept buffers now
+
+    def claim(self, commit: Any) -> bool:
+        """Whether ``commit`` may use the kept buffers (no other commit holds them)."""
+        if self._holder is None:
+            self._holder = commit
+        return self._holder is commit
 
     def copies(self, ts: list[torch.Tensor]) -> Copies:
         """``(tensors, copies)`` per device and dtype: bitwise copies of ``ts`` as they are now."""
@@ -72,12 +81,15 @@ class SnapshotPool:
         self._used.add(key)
         return out
 
-    def end_commit(self) -> None:
-        """Drop the plans this commit did not use (their buffers with them).
+    def end_commit(self, commit: Any) -> None:
+        """Release the buffers held by ``commit``; drop the plans it did not use (their buffers with them).
 
         A commit that copied nothing (a micro-batch step without an optimizer,
         a skipped step) keeps them: the next real update needs them again.
         """
+        if self._holder is not commit:
+            return
+        self._holder = None
         if not self._used:
             return
         if len(self._plans) != len(self._used):
@@ -92,3 +104,4 @@ class SnapshotPool:
     def clear(self) -> None:
         self._plans.clear()
         self._used = set()
+        self._holder = None

@@ -13,6 +13,9 @@ if TYPE_CHECKING:
 
 # Explicit ``pu.step`` / ``Stepper`` transactions in progress (at most one).
 explicit: list[Transaction] = []
+# Explicit steps whose commit is running ``optimizer.step()``: that call is theirs, so an
+# attachment on the same optimizer stands aside (its rules would apply a second time).
+committing: list[Transaction] = []
 # Live attachments (``pu.attach``), in attach order.
 attachments: list[Any] = []
 # id(pu.Parameter) -> its pending entry: what ``__torch_function__`` reads.

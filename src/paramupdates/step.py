@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import functools
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -34,7 +35,7 @@ from .integrations.distributed import check_group
 from .rules._fast import RuleCache
 from .rules.base import rules_for
 from .schedule import AFTER_GRAD, AFTER_STEP, AUXILIARY, BEFORE_GRAD, Schedule
-from .targets import index_of
+from .targets import ModelIndex, index_of
 from .transaction import Entry, Transaction
 
 _NONFINITE = ("raise", "skip")
@@ -43,6 +44,26 @@ _NONFINITE = ("raise", "skip")
 def _check_nonfinite(on_nonfinite: str) -> None:
     if on_nonfinite not in _NONFINITE:
         raise ValueError(f"on_nonfinite must be 'raise' or 'skip', not {on_nonfinite!r}")
+
+
+_CACHES: weakref.WeakKeyDictionary[ModelIndex, list[Any]] = weakref.WeakKeyDictionary()
+
+
+def _commit_caches(index: ModelIndex, optimizer: torch.optim.Optimizer | None) -> tuple[SnapshotPool, RuleCache]:
+    """The snapshot pool and rule cache of ``(model, optimizer)``, shared by every ``pu.step``,
+    ``Stepper`` and attachment on them (commits on one model run one at a time; a commit nested in
+    another's optimizer step takes fresh copies, see ``_snapshot``). They live as long as both do."""
+    per = _CACHES.get(index)
+    if per is None:
+        per = _CACHES[index] = [None, weakref.WeakKeyDictionary()]
+    if optimizer is None:
+        if per[0] is None:
+            per[0] = (SnapshotPool(), RuleCache())
+        return per[0]
+    caches = per[1].get(optimizer)
+    if caches is None:
+        caches = per[1][optimizer] = (SnapshotPool(), RuleCache())
+    return caches
 
 
 class _Owner:
@@ -77,8 +98,9 @@ class _Owner:
         self.steps = 0
         self.skipped_steps = 0
         self._last = Schedule()
-        self._pool = SnapshotPool()  # rollback copies kept between this owner's commits (CPU)
-        self._rule_cache = RuleCache()  # what the last full check of the rules saw
+        # rollback copies kept between commits (CPU), and what the last full check of the rules saw:
+        # per model and optimizer, so that a fresh pu.step(model, opt) per iteration reuses them
+        self._pool, self._rule_cache = _commit_caches(self.index, optimizer)
 
     def _new_tx(self, label: str) -> Transaction:
         return Transaction(
@@ -451,6 +473,8 @@ class Attachment(_Owner):
 
     # hooks ----------------------------------------------------------------
     def _pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if _run_by_explicit_commit(optimizer):
+            return
         if self._in_step and not self._hooks_running and self._inside_own_step():
             # A nested step: an optimizer subclass calling super().step(), whose
             # class is hooked too. Only the outermost call commits.
@@ -485,6 +509,8 @@ class Attachment(_Owner):
             self._hooks_running = False
 
     def _post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if _run_by_explicit_commit(optimizer):
+            return
         if self._nested:
             self._nested -= 1
             return
@@ -568,6 +594,13 @@ class Attachment(_Owner):
 
     def _open_tx(self) -> Transaction | None:
         return self.tx
+
+
+def _run_by_explicit_commit(optimizer: Any) -> bool:
+    """A ``pu.step`` / ``Stepper`` commit is running ``optimizer.step()``: that commit owns the step
+    (its rules and updates), and an attachment on the optimizer stands aside; committing there too
+    would apply the declared rules a second time."""
+    return any(tx.optimizer is optimizer for tx in _state.committing)
 
 
 def attach(

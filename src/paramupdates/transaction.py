@@ -525,8 +525,9 @@ class Transaction:
         if not fresh:
             return
         seen.update(map(id, fresh))
+        pool = self.pool if self.pool is not None and self.pool.claim(self) else None
         with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
-            self._snapshots.extend(_copies(self.pool, fresh))
+            self._snapshots.extend(_copies(pool, fresh))
 
     def protect_optimizer(self, all_params: bool) -> None:
         opt = self.optimizer
@@ -575,7 +576,7 @@ class Transaction:
         self.state = "closed"
         self._snapshots = []
         if self.pool is not None:
-            self.pool.end_commit()
+            self.pool.end_commit(self)
 
     # --- phases ----------------------------------------------------------
     def run_phase(self, phase: str) -> None:
@@ -629,7 +630,11 @@ class Transaction:
         out = None
         if self.optimizer is not None:
             self.protect_optimizer(all_params=closure is not None)
-            out = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+            _state.committing.append(self)  # an attachment on this optimizer stands aside
+            try:
+                out = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+            finally:
+                _state.committing.remove(self)
             self.mark_optimizer_written()
             self.stage_done(True)
         self.done_phases.add(GRAD)

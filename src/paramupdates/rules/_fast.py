@@ -8,10 +8,12 @@ their learning rates, which parameters have a gradient). Done rule by rule,
 that is five to six passes over per-tensor metadata per commit, one to three
 per rule, through weak references.
 
-This cache keeps what the last full check saw, for the next commit of the
-same owner: the rules (by identity), the model index's generation, the
-optimizer, and the tensors each rule's plan depends on (held strongly, by
-the owner, which holds the model anyway). The next commit then checks the
+This cache keeps what the last full check saw, for the next commit on the
+same model and optimizer (every ``pu.step``, ``Stepper`` and attachment on
+them shares it, so a fresh ``pu.step(model, opt)`` per iteration uses it):
+the rules (by identity), the model index's generation, the optimizer, and
+the tensors each rule's plan depends on (held strongly, while the model and
+optimizer live). The next commit then checks the
 storage of all of them in one pass (``data_ptr``, mapped in C), and each rule
 re-checks only what storage does not cover (:meth:`Rule.revalidate`). Any
 difference, or a rule without a fast path, runs the full checks, which
@@ -33,7 +35,7 @@ if TYPE_CHECKING:
 
 
 class RuleCache:
-    """What the last full check of one owner's rules saw (see the module docstring)."""
+    """What the last full check of the rules of one model and optimizer saw (see the module docstring)."""
 
     def __init__(self) -> None:
         self._sig: tuple[Any, ...] | None = None

@@ -147,3 +147,29 @@ def test_pu_step_on_an_attached_optimizer_commits_once():
     m(x).pow(2).sum().backward()  # the attachment still commits a plain optimizer.step()
     opt.step()
     assert att.steps == 1
+
+
+def test_attachment_stands_aside_only_while_the_explicit_commit_runs():
+    """An explicit commit whose optimizer raises leaves no stand-aside behind: the next plain
+    optimizer.step() is the attachment's again."""
+
+    class Boom(torch.optim.SGD):
+        fail = True
+
+        def step(self, closure=None):
+            if self.fail:
+                raise RuntimeError("optimizer failed")
+            return super().step(closure)
+
+    m = nn.Linear(3, 2)
+    opt = Boom(m.parameters(), lr=0.1)
+    att = pu.attach(m, opt)
+    x = torch.randn(4, 3)
+    with pytest.raises(RuntimeError, match="optimizer failed"):
+        with pu.step(m, opt):
+            m(x).sum().backward()
+    opt.zero_grad()
+    opt.fail = False
+    m(x).sum().backward()
+    opt.step()
+    assert att.steps == 1

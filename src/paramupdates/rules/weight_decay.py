@@ -112,13 +112,10 @@ class WeightDecay(Rule):
             self._key = key
         self._hold(live)
 
-    def _opt_key(self, opt: torch.optim.Optimizer, live: list[Any], all_alive: bool = False) -> tuple:
+    def _opt_key(self, opt: torch.optim.Optimizer, live: list[Any]) -> tuple:
         """What the plan depends on besides storage: the param groups, their lrs, which tensors have a gradient."""
         with plain(self._sub):
-            if all_alive or not _any_none(live):
-                grads = list(map(_grad_of, live))
-            else:
-                grads = [None if t is None else _grad_of(t) for t in live]
+            grads = list(map(_grad_of, live)) if not _any_none(live) else [None if t is None else _grad_of(t) for t in live]
         # the common case (every tensor alive with a gradient) without a per-tensor Python test
         has_grad: tuple[bool, ...] | bool = True if not _any_none(grads) else tuple(g is not None for g in grads)
         groups = opt.param_groups
@@ -135,7 +132,7 @@ class WeightDecay(Rule):
 
     def revalidate(self, ctx: CommitContext, held: list[torch.Tensor]) -> bool:
         opt = ctx.optimizer
-        if opt is None or self._key is None or self._opt_key(opt, held, all_alive=True) != self._key[0]:
+        if opt is None or self._key is None or self._opt_key(opt, held) != self._key[0]:
             return False
         self._hold(held)
         return True

@@ -87,11 +87,19 @@ def pu_variant(real_opt: bool, atomic: bool):
     return run, model
 
 
+_data_ptr = torch._C.TensorBase.data_ptr
+_grad_of = torch._C.TensorBase.grad.__get__
+
+
+def tensors(model: nn.Module) -> tuple[list, list, list]:
+    """``(params, the 2-D weights, an average of every param)`` for the hand-written variants."""
+    params = list(model.parameters())
+    return params, [p for p in params if p.ndim == 2], [p.detach().clone() for p in params]
+
+
 def loop_variant(real_opt: bool):
     model, opt = setup(real_opt)
-    params = list(model.parameters())
-    weights = [p for p in params if p.ndim == 2]
-    avg = [p.detach().clone() for p in params]
+    params, weights, avg = tensors(model)
 
     def run():
         with torch.no_grad():
@@ -107,11 +115,9 @@ def loop_variant(real_opt: bool):
     return run, model
 
 
-def foreach_variant(real_opt: bool):
+def foreach_variant(real_opt: bool, checked: bool = False):
     model, opt = setup(real_opt)
-    params = list(model.parameters())
-    weights = [p for p in params if p.ndim == 2]
-    avg = [p.detach().clone() for p in params]
+    params, weights, avg = tensors(model)
     # The row norms as pu computes them on CPU (torch has no foreach norm over a dim): the small
     # weights of one row length concatenated into one vector_norm, the large ones one call each.
     cat_max = pu.rules.constraints.CAT_NUMEL
@@ -123,7 +129,15 @@ def foreach_variant(real_opt: bool):
     # 0-dim factors, as pu uses on CPU for float32 (2-3x faster than a Python scalar there, same bits)
     factors = list(torch.full((len(weights),), 1 - LR * WD).unbind())
 
+    # checked: plus the least a commit that validates before writing must add: one pass over the
+    # storage of every tensor the rules touch (a moved model must fail before any write) and one over
+    # which decayed weights have a gradient (weight decay skips the others, as torch.optim does)
+    touched = params + avg
+    key = tuple(map(_data_ptr, touched))
+
     def run():
+        if checked and (tuple(map(_data_ptr, touched)) != key or any(g is None for g in map(_grad_of, weights))):
+            raise RuntimeError("changed")
         with torch.no_grad():
             torch._foreach_mul_(weights, factors)
             opt.step()
@@ -141,28 +155,6 @@ def foreach_variant(real_opt: bool):
     return run, model
 
 
-_data_ptr = torch._C.TensorBase.data_ptr
-_grad_of = torch._C.TensorBase.grad.__get__
-
-
-def checked_foreach_variant(real_opt: bool):
-    """Bare foreach plus the least a commit that validates before writing must add: one pass over
-    the storage of every tensor the rules touch (a moved model must fail before any write) and one
-    over which decayed weights have a gradient (weight decay skips the others, as torch.optim does)."""
-    run, model = foreach_variant(real_opt)
-    params = list(model.parameters())
-    weights = [p for p in params if p.ndim == 2]
-    touched = params + [p.detach().clone() for p in params]  # the model's tensors and an average's
-    key = tuple(map(_data_ptr, touched))
-
-    def checked():
-        if tuple(map(_data_ptr, touched)) != key or any(g is None for g in map(_grad_of, weights)):
-            raise RuntimeError("changed")
-        run()
-
-    return checked, model
-
-
 def bench(real_opt: bool, rounds: int, iters: int) -> dict[str, float]:
     variants = {}
     for name, make in [
@@ -170,7 +162,7 @@ def bench(real_opt: bool, rounds: int, iters: int) -> dict[str, float]:
         ("pu (atomic=False)", lambda: pu_variant(real_opt, False)),
         ("loop", lambda: loop_variant(real_opt)),
         ("foreach", lambda: foreach_variant(real_opt)),
-        ("foreach + checks", lambda: checked_foreach_variant(real_opt)),
+        ("foreach + checks", lambda: foreach_variant(real_opt, checked=True)),
     ]:
         run, model = make()
         run()  # warm up (plans are built on the first commit)

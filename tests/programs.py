@@ -222,7 +222,7 @@ class PuRunner:
                 owner = self.att
                 if optimizer:
                     self.opt.step()
-                elif self.att.tx is None:
+                elif self.att.journal is None:
                     owner = pu.Stepper(self.m)  # flush() with nothing pending commits nothing: empty plan
                 else:
                     self.att.flush()

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 import paramupdates as pu
-from paramupdates.rules.base import Rule, WeakTensors, register
-from paramupdates.schedule import AFTER_GRAD
+from paramupdates.phases import AFTER_GRAD
+from paramupdates.rules.base import Rule, register
 
 from conftest import assert_same, bits, snapshot
 
@@ -44,13 +44,13 @@ class CountApplications(Rule):
 
     def __init__(self, counter):
         super().__init__("test")
-        self.t = WeakTensors([counter])
+        self.t = [counter]
 
     def tensors(self):
-        return self.t.get()
+        return self.t
 
     def apply(self, ctx):
-        for t in self.t.get():
+        for t in self.t:
             t.add_(1)
 
 

@@ -112,11 +112,11 @@ def test_failing_user_callable_constraint_rolls_back_everything():
 @pytest.mark.filterwarnings("ignore:pu.weight_decay")
 def test_no_snapshot_after_the_last_fallible_stage(monkeypatch):
     """Built-in rules are infallible: after the optimizer step nothing more is copied."""
-    from paramupdates import transaction
+    from paramupdates import rollback
 
     copied = []
-    real = transaction._copies
-    monkeypatch.setattr(transaction, "_copies", lambda pool, ts: copied.extend(map(id, ts)) or real(pool, ts))
+    real = rollback.copies_of
+    monkeypatch.setattr(rollback, "copies_of", lambda pool, ts: copied.extend(map(id, ts)) or real(pool, ts))
     m, opt = _trained()
     pu.weight_decay(m, 0.1)
     pu.constrain(m.lin.weight, pu.max_norm(0.5))
@@ -141,10 +141,10 @@ def test_fallible_rule_after_ema_restores_the_average():
 
 
 def test_atomic_false_takes_no_snapshot(monkeypatch):
-    from paramupdates import transaction
+    from paramupdates import rollback
 
     copied = []
-    monkeypatch.setattr(transaction, "_copies", lambda pool, ts: copied.append(ts) or [])
+    monkeypatch.setattr(rollback, "copies_of", lambda pool, ts: copied.append(ts) or [])
     m = Counter()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     pu.weight_decay(m, 0.1)
@@ -164,7 +164,7 @@ def _failing_step(m, opt, stepper):
 
 def test_rollback_copies_reuse_kept_cpu_buffers_and_still_restore_bitwise():
     """CPU rollback copies live in buffers kept between commits (no fresh allocation per step)."""
-    from paramupdates import transaction
+    from paramupdates import rollback
 
     m = Counter()
     opt = Boom(m.parameters(), lr=0.1, momentum=0.9)
@@ -172,10 +172,10 @@ def test_rollback_copies_reuse_kept_cpu_buffers_and_still_restore_bitwise():
     pu.weight_decay(m, 0.1)
     s = pu.Stepper(m, opt)
     seen = []
-    real = transaction._copies
+    real = rollback.copies_of
     transaction_copies = lambda pool, ts: seen.append(out := real(pool, ts)) or out  # noqa: E731
     mp = pytest.MonkeyPatch()
-    mp.setattr(transaction, "_copies", transaction_copies)
+    mp.setattr(rollback, "copies_of", transaction_copies)
     try:
         for _ in range(3):
             with s:
@@ -208,7 +208,7 @@ def test_rollback_copies_reuse_kept_cpu_buffers_and_still_restore_bitwise():
 
 def test_kept_rollback_copies_follow_a_reshaped_view_of_the_same_storage():
     """Same tensor, same data_ptr, new size (p.data = p.data[:1]): a new copy of the new size."""
-    from paramupdates._snapshot import SnapshotPool
+    from paramupdates.rollback import SnapshotPool
 
     pool = SnapshotPool()
     t = torch.arange(6.0)

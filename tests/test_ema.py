@@ -164,8 +164,7 @@ def test_resume_is_bitwise_identical(how):
 
     # a fresh process: same declarations, then load
     torch.manual_seed(123)
-    for att in list(pu._state.attachments):
-        att.detach()
+    pu.testing.reset()
     m2 = _bn_net()
     opt2 = torch.optim.Adam(m2.parameters(), lr=0.01)
     pu.weight_decay(m2, 0.01)

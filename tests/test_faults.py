@@ -29,7 +29,7 @@ from torch import nn
 
 import paramupdates as pu
 from fault_models import N_STEPS, SITES, USER_SITES, Flaky, Harness, Injected, Net, Tally, data
-from paramupdates import _state
+from paramupdates import context
 from paramupdates.rules.base import register
 from programs import Fault, PuRunner, count_statements, programs
 from reference_model import Reference
@@ -69,7 +69,7 @@ def test_fault_in_random_program(program, seg_pick, stmt_pick, driver):
             run.run([seg])
         run.fault_at = None
         assert _state_bytes(run) == before  # nothing the step issued was written
-        assert not _state.explicit and not _state.pu_pending  # the overlay is gone
+        assert not context.explicit and not context.pu_pending  # the overlay is gone
         assert run.m._buffers["buf"] is run.m.buf and run.m._buffers["cnt"] is run.m.cnt
         del run.reads[n_reads:]
         ref.grads = {n: None for n in ref.grads}  # the runner zero_grads after a failed step
@@ -110,7 +110,7 @@ def _scenario(rng: random.Random, driver: str, clean: list, site: str, ema: bool
                     # optimizer.step() (optimizer, rules, validation) roll back by themselves.
                     h.owner.discard()
                 h.opt.zero_grad()
-                assert not _state.explicit and not _state.pu_pending  # the overlay is gone
+                assert not context.explicit and not context.pu_pending  # the overlay is gone
                 assert h.m._buffers["acc"] is acc and h.m._buffers["count"] is count
                 assert_same(before, h.everything())
             h.step(data(i))
@@ -212,7 +212,7 @@ def test_attach_failed_optimizer_step_rolls_back_at_once_and_next_step_counts():
     with pytest.raises(Injected):
         opt.step()
     assert_same(before, snapshot(m, opt))
-    assert not _state.pu_pending and att.steps == 1
+    assert not context.pu_pending and att.steps == 1
     opt.fail = None
     opt.zero_grad()
     m(data(2)).backward()

@@ -7,8 +7,8 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import orthogonal, weight_norm
 
 import paramupdates as pu
-from paramupdates.rules.base import Rule, WeakTensors, register
-from paramupdates.schedule import AFTER_GRAD
+from paramupdates.phases import AFTER_GRAD
+from paramupdates.rules.base import Rule, register
 
 from conftest import assert_same, bits, snapshot
 
@@ -96,14 +96,14 @@ class _MaxNorm(Rule):
 
     def __init__(self, p, value, dim):
         super().__init__("test")
-        self.ps = WeakTensors([p])
+        self.ps = [p]
         self.value, self.dim = value, dim
 
     def tensors(self):
-        return self.ps.get()
+        return self.ps
 
     def apply(self, ctx):
-        for p in self.ps.get():
+        for p in self.ps:
             _keras_max_norm_(p, self.value)
 
 

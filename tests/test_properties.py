@@ -36,8 +36,8 @@ def check(program: list, driver: str, rules: list | None = None) -> None:
     try:
         run.run(program)
     finally:
-        for r in list(rules_base._RULES):
-            rules_base.unregister(r)
+        for r in rules_base.declared():
+            r.remove()
     assert len(run.reads) == len(ref.reads)
     for i, (got, want) in enumerate(zip(run.reads, ref.reads)):
         assert _same(got, want), f"read #{i}: paramupdates {got!r}, reference {want!r}"

@@ -21,6 +21,11 @@ weight, the parametrization and the call site.
 A tensor is recognised as a parametrization's output by a forward hook on
 the ``ParametrizationList`` modules of every model paramupdates indexes (a
 ``pu.step``, ``pu.Stepper`` or ``pu.attach`` on the model does that).
+
+Registered into the core as a module visitor (which hooks each
+``ParametrizationList``) and a target resolver (which maps an update of its
+output to updates of the originals): ``hooks.register_module_visitor``,
+``hooks.register_target_resolver``.
 """
 
 from __future__ import annotations
@@ -32,8 +37,9 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from .._ops import apply_op
+from .. import hooks
 from ..errors import UpdateError
+from ..ops import apply_op
 
 # id(output tensor) -> (weakref to it, weakref to its ParametrizationList, display name)
 _OUTPUTS: dict[int, tuple[weakref.ref, weakref.ref, str]] = {}
@@ -41,7 +47,8 @@ _HOOKED_ATTR = "_pu_parametrize_hook"
 
 
 def track(module: nn.Module, qualified_name: str) -> None:
-    """Register (once) the forward hook that records the outputs of a ``ParametrizationList``."""
+    """Register (once) the forward hook that records the outputs of a ``ParametrizationList``
+    (a module visitor: called for every submodule of an indexed model)."""
     if not isinstance(module, parametrize.ParametrizationList) or getattr(module, _HOOKED_ATTR, None):
         return
     # "lin.parametrizations.weight" -> "lin.weight"
@@ -111,3 +118,15 @@ def _orig_names(plist: parametrize.ParametrizationList, name: str) -> str:
     if plist.is_tensor:
         return f"'{prefix}.original'"
     return ", ".join(f"'{prefix}.original{i}'" for i in range(plist.ntensors))
+
+
+def resolve(target: torch.Tensor, op: str, operand: Any, key: Any, origin: str) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """The target resolver: ``[(original_i, new value)]`` when ``target`` is a parametrization's output."""
+    src = source(target)
+    if src is None:
+        return None
+    plist, name = src
+    return inverse(plist, name, op, target, operand, key, origin)
+
+
+HANDLES = (hooks.register_module_visitor(track), hooks.register_target_resolver(resolve))

@@ -16,7 +16,7 @@ the increment: a cumulative average) when ``momentum=None``. ``mean_B`` and
 channel one, ``n`` the number of values per channel.
 
 The updates are auxiliary (phase ``auxiliary``: after the gradient update,
-rule 4). Inside a step they are recorded and nothing is written before
+rule 4 of ``docs/design.md``). Inside a step they are recorded and nothing is written before
 commit (rule 2); later forwards in the same step (gradient accumulation, a
 module called twice, a checkpoint recomputation under ``pu.checkpoint``)
 read the pending statistics (rule 1). Outside a step they apply at once, in
@@ -44,10 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import _state, conditions
+from .. import context, hooks
 from ..conditions import when
-from ..integrations.checkpoint import _torch_checkpoint_frame
-from ..integrations.distributed import is_distributed
 from ..updates import assign, assign_add, assign_fresh
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "UpdateSafeBatchNorm"]
@@ -56,13 +54,13 @@ __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "Update
 def _nothing_records() -> bool:
     """True when an update issued now would simply apply in place: no step, attachment,
     condition, checkpoint segment, recomputation, transform or compilation is active."""
-    if _state.explicit or _state.attachments or _state.replay is not None or _state.eager_log is not None:
+    if context.explicit or context.attachments or context.replay is not None or context.eager_log is not None:
         return False
-    if conditions.current() is not None or torch.compiler.is_compiling():
+    if context.conditions[-1] is not None or torch.compiler.is_compiling():
         return False
     if torch._C._functorch.maybe_current_level() is not None:
         return False
-    return _torch_checkpoint_frame() is None
+    return not hooks.in_segment()
 
 
 def _under_functorch() -> bool:
@@ -166,7 +164,7 @@ class UpdateSafeBatchNorm:
         """As ``torch.nn.BatchNorm*d.forward``; running statistics change through assign."""
         self._check_input_dim(input)  # type: ignore[attr-defined]
         if self.training and self.track_running_stats:
-            if _nothing_records() and not (self.sync_stats and is_distributed()):
+            if _nothing_records() and not (self.sync_stats and hooks.sync_active()):
                 return self._eager_in_place(input)
             with when(self.training):
                 factor = self._factor()

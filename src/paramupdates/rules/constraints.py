@@ -50,14 +50,14 @@ import torch
 from torch import nn
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
-from .._origin import call_site
 from ..errors import UpdateError
-from ..schedule import AFTER_GRAD
-from ._common import WeakList, has_subclass, named_tensors, no_subclass, plain, refuse_inside_step, storage_key, where
+from ..origin import call_site
+from ..phases import AFTER_GRAD
 from .base import Rule, register
+from .common import WeakList, has_subclass, named_tensors, no_subclass, plain_if, refuse_inside_step, storage_key, where
 
 if TYPE_CHECKING:
-    from ..transaction import CommitContext
+    from ..commit import CommitContext
 
 EPSILON = 1e-7  # keras.backend.epsilon()
 
@@ -353,7 +353,6 @@ class Constrain(Rule):
 
     phase = AFTER_GRAD
     per_optimizer_update = True
-    rows_tracked = True  # _rows_version bumped when its plan is rebuilt
 
     def __init__(self, named: list[tuple[str, torch.Tensor]], constraint: Constraint, origin: str) -> None:
         super().__init__(origin)
@@ -386,7 +385,6 @@ class Constrain(Rule):
                     self.constraint.validate(ctx.index.name_of(t) or name, t, self.origin)
                 self._plan = None if isinstance(self.constraint, CallableConstraint) else self.constraint.plan(ts)
             self._key = key
-            self._rows_version += 1
         self._live = ts  # held for this commit only
 
     def restore(self, saved: Any) -> None:
@@ -406,7 +404,7 @@ class Constrain(Rule):
             self._apply_callable(ctx)
             return
         ts, self._live = self._live, []
-        with plain(self._sub):
+        with plain_if(self._sub):
             self.constraint.apply_(ts, self._plan)
 
     def _apply_callable(self, ctx: CommitContext) -> None:

@@ -43,15 +43,16 @@ import torch
 from torch import nn
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
-from .._origin import call_site
 from ..errors import UpdateError
-from ..schedule import AFTER_STEP
-from ._common import has_subclass, no_subclass, plain, refuse_inside_step, storage_key, where
+from ..origin import call_site
+from ..phases import AFTER_STEP
+from ..schedule import ScheduleEntry
 from .base import Rule, register
+from .common import has_subclass, no_subclass, plain_if, refuse_inside_step, storage_key, where
 
 if TYPE_CHECKING:
+    from ..commit import CommitContext
     from ..targets import ModelIndex
-    from ..transaction import CommitContext
 
 Warmup = bool | float | int | Callable[[int], float] | None
 
@@ -65,7 +66,6 @@ class EMA(Rule):
     kind = "ema"
     infallible = True  # foreach lerp/copy on pairs validated in check()
     per_optimizer_update = True
-    rows_tracked = True  # fixed rows (rows() reads only what __init__ set)
 
     def __init__(
         self, model: nn.Module, module: nn.Module, decay: float, warmup: Warmup, include_buffers: bool, origin: str
@@ -109,12 +109,10 @@ class EMA(Rule):
     def tensors(self) -> list[torch.Tensor]:
         return self._dst
 
-    def rows(self, index: ModelIndex) -> list[Any]:
-        from ..schedule import ScheduleEntry
-
+    def rows(self, index: ModelIndex) -> list[ScheduleEntry]:
         n = sum(self._avg)
         what = f"ema of {n} tensors" + (f" (+{len(self._avg) - n} copied)" if n < len(self._avg) else "")
-        return [ScheduleEntry(self.phase, what, f"ema(decay={self.decay})", "-", self.origin)]
+        return [ScheduleEntry(self.phase, what, f"ema(decay={self.decay})", "-", str(self.origin))]
 
     # --- math --------------------------------------------------------------
     def decay_at(self, t: int) -> float:
@@ -169,7 +167,7 @@ class EMA(Rule):
 
     def apply(self, ctx: CommitContext) -> None:
         w = self._weight
-        with plain(self._sub):
+        with plain_if(self._sub):
             for d, s in self._lerp:
                 torch._foreach_lerp_(d, s, w)
             for d, s in self._copy:

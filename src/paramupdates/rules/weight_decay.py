@@ -33,14 +33,14 @@ import torch
 from torch import nn
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
-from .._origin import call_site
+from ..origin import call_site
 from ..parameter import Parameter
-from ..schedule import BEFORE_GRAD
-from ._common import WeakList, has_subclass, named_tensors, plain, refuse_inside_step, storage_key
+from ..phases import BEFORE_GRAD
 from .base import Rule, register
+from .common import WeakList, has_subclass, named_tensors, plain_if, refuse_inside_step, storage_key
 
 if TYPE_CHECKING:
-    from ..transaction import CommitContext
+    from ..commit import CommitContext
 
 Exclude = Callable[[str, torch.Tensor], bool]
 _grad_of = torch._C.TensorBase.grad.__get__  # the C getter, mapped without a Python-level loop
@@ -63,7 +63,6 @@ class WeightDecay(Rule):
     kind = "weight_decay"
     infallible = True  # foreach mul by Python floats on floating tensors: validated at declaration
     per_optimizer_update = True
-    rows_tracked = True  # _rows_version bumped when its plan is rebuilt
 
     def __init__(self, named: list[tuple[str, torch.Tensor, float]], scale_by_lr: bool, origin: str) -> None:
         super().__init__(origin)
@@ -114,7 +113,7 @@ class WeightDecay(Rule):
 
     def _opt_key(self, opt: torch.optim.Optimizer, live: list[Any]) -> tuple:
         """What the plan depends on besides storage: the param groups, their lrs, which tensors have a gradient."""
-        with plain(self._sub):
+        with plain_if(self._sub):
             grads = list(map(_grad_of, live)) if not _any_none(live) else [None if t is None else _grad_of(t) for t in live]
         # the common case (every tensor alive with a gradient) without a per-tensor Python test
         has_grad: tuple[bool, ...] | bool = True if not _any_none(grads) else tuple(g is not None for g in grads)
@@ -169,7 +168,6 @@ class WeightDecay(Rule):
             )
         self._written = written
         self._all = written == list(range(len(live)))  # every covered tensor is decayed (the common case)
-        self._rows_version += 1
         self._groups = []
         if ts:
             grouped = _group_tensors_by_device_and_dtype([ts], with_indices=True)
@@ -191,7 +189,7 @@ class WeightDecay(Rule):
     # --- commit ------------------------------------------------------------------
     def apply(self, ctx: CommitContext) -> None:
         live = self._live
-        with plain(self._sub):
+        with plain_if(self._sub):
             if self._direct:
                 torch._foreach_mul_(live, self._groups[0][1])  # every covered tensor, one device and dtype, in order
             else:

@@ -105,7 +105,9 @@ def _measure(variant: str, bn: type[nn.Module], x, y) -> tuple[int, int, int]:
         for _ in range(2):
             fn()
         peaks = [peak_bytes(fn) for _ in range(3)]
-        kept = commit_caches(owner.index, owner.optimizer)[0].nbytes() if owner is not None else 0  # live before the step begins
+        kept = (
+            commit_caches(owner.index, owner.optimizer)[0].nbytes() if owner is not None else 0
+        )  # live before the step begins
     finally:
         if isinstance(owner, pu.Attachment):
             owner.detach()

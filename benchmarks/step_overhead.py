@@ -44,7 +44,9 @@ class Parts:
         return tuple(statistics.median(z) for z in zip(*self.samples))  # type: ignore[return-value]
 
 
-def eager_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, parts: Parts | None = None) -> Callable[[], None]:
+def eager_step(
+    model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, parts: Parts | None = None
+) -> Callable[[], None]:
     clock = time.process_time
 
     def run() -> None:

@@ -5,7 +5,6 @@ test_bad_input.py; random fault points (rules, optimizer, validation, user
 code, under pu.step and pu.attach) are in test_faults.py.
 """
 
-
 import pytest
 import torch
 
@@ -51,9 +50,6 @@ def test_exception_inside_optimizer_rolls_back_everything():
             m(torch.randn(4, 3)).sum().backward()
             pu.assign_add(m.lin.bias, 1.0, phase="before_grad")
     assert_same(before, snapshot(m, opt))
-
-
-
 
 
 class Failing(Rule):
@@ -200,7 +196,9 @@ def test_rollback_copies_reuse_kept_cpu_buffers_and_still_restore_bitwise():
             with s:
                 m(torch.randn(4, 3, dtype=torch.float64)).sum().backward()
         opt.fail = False
-        assert all(c.dtype == torch.float64 for copies in seen[n:] for _, cs in copies for c in cs if c.is_floating_point())
+        assert all(
+            c.dtype == torch.float64 for copies in seen[n:] for _, cs in copies for c in cs if c.is_floating_point()
+        )
         assert_same(before, snapshot(m, opt))
     finally:
         mp.undo()
@@ -213,12 +211,12 @@ def test_kept_rollback_copies_follow_a_reshaped_view_of_the_same_storage():
     pool = SnapshotPool()
     t = torch.arange(6.0)
     assert pool.claim("commit 1")
-    (ts, cs), = pool.copies([t])
+    ((ts, cs),) = pool.copies([t])
     pool.end_commit("commit 1")
     t.data = t.data[:2]
     assert pool.claim("commit 2")
     assert not pool.claim("a commit nested in commit 2")  # it takes fresh copies instead
-    (ts2, cs2), = pool.copies([t])
+    ((ts2, cs2),) = pool.copies([t])
     assert cs2[0].shape == (2,) and torch.equal(cs2[0], torch.tensor([0.0, 1.0]))
     pool.end_commit("commit 2")
     assert len(pool._plans) == 1  # the plan of the old size was dropped with its buffer

@@ -87,8 +87,11 @@ def test_batchnorm_bitwise_equal_to_torch(tcls, pcls, shape, momentum, affine, t
 
 def test_state_dict_keys_and_round_trip():
     ref, mod = _pair(nn.BatchNorm2d, pu.nn.BatchNorm2d, 0.1, True, True)
-    assert list(ref.state_dict()) == list(mod.state_dict()) == [
-        "weight", "bias", "running_mean", "running_var", "num_batches_tracked"]
+    assert (
+        list(ref.state_dict())
+        == list(mod.state_dict())
+        == ["weight", "bias", "running_mean", "running_var", "num_batches_tracked"]
+    )
     back = nn.BatchNorm2d(4)
     back.load_state_dict(mod.state_dict())
     _assert_modules(ref, back)
@@ -129,8 +132,11 @@ def test_sync_stats_issues_mean_synced_updates():
     s = pu.Stepper(mod)
     s.run(mod, torch.randn(8, 4))
     ops = {r.target: r.op for r in s.schedule()}
-    assert ops == {"num_batches_tracked": "assign_add", "running_mean": "assign sync=mean",
-                   "running_var": "assign sync=mean"}
+    assert ops == {
+        "num_batches_tracked": "assign_add",
+        "running_mean": "assign sync=mean",
+        "running_var": "assign sync=mean",
+    }
 
 
 def test_schedule_origin_is_the_module():

@@ -15,8 +15,12 @@ ROOT = Path(__file__).resolve().parent.parent
 def _start(hashseed: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONHASHSEED": hashseed}
     return subprocess.Popen(
-        [sys.executable, "tests/determinism_script.py"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True,
+        [sys.executable, "tests/determinism_script.py"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 

@@ -660,8 +660,13 @@ def test_ddp_example_runs_under_torchrun():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for _attempt in range(3):
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-            "--master_addr=127.0.0.1", f"--master_port={free_port()}", "examples/ddp_train.py",
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "--master_addr=127.0.0.1",
+            f"--master_port={free_port()}",
+            "examples/ddp_train.py",
         ]
         proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=120)
         exit_abort = "terminate called without an active exception" in proc.stdout + proc.stderr and (

@@ -39,8 +39,12 @@ from conftest import assert_same, bits, snapshot
 # ---------------------------------------------------------------------------
 # 1. random programs, fault before a random statement of a random step
 # ---------------------------------------------------------------------------
-_TAIL = ("step", [[("upd", "assign_add", "cnt", ("const", 1), None, None), ("read", "buf")]], True,
-         [([1, 1, 1], [1, 1, 1])])
+_TAIL = (
+    "step",
+    [[("upd", "assign_add", "cnt", ("const", 1), None, None), ("read", "buf")]],
+    True,
+    [([1, 1, 1], [1, 1, 1])],
+)
 
 
 def _state_bytes(run: PuRunner) -> dict[str, bytes]:
@@ -240,7 +244,7 @@ def test_fault_with_batchnorm_counters():
         try:
             h.step(data(0))
             before = h.everything()
-            assert ("bn.num_batches_tracked" in [k for k, _ in before])
+            assert "bn.num_batches_tracked" in [k for k, _ in before]
             h.arm(site)
             with pytest.raises((Injected, pu.UpdateError)):
                 h.step(data(1))
@@ -299,6 +303,7 @@ def test_kept_rollback_copies_restore_adamw_after_many_commits(when):
     commits (AdamW state with its step counters, weight decay, a constraint, an EMA) still
     restores everything bitwise, and training then continues exactly as without the fault
     (once the failed step's gradients are zeroed, as after a plain optimizer.step() that raises)."""
+
     def make():
         torch.manual_seed(0)
         m = Net()

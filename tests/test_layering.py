@@ -97,7 +97,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
             if m == TOP:
                 continue
             if state.get(m) == 1:
-                return stack[stack.index(m):] + [m]
+                return stack[stack.index(m) :] + [m]
             if m not in state:
                 found = dfs(m)
                 if found:

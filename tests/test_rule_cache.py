@@ -29,7 +29,11 @@ def _declare(m):
 def full_checks(monkeypatch):
     """How many times each rule ran its full check."""
     counts = {"weight_decay": 0, "constrain": 0, "ema": 0}
-    for name, cls in (("weight_decay", weight_decay.WeightDecay), ("constrain", constraints.Constrain), ("ema", ema.EMA)):
+    for name, cls in (
+        ("weight_decay", weight_decay.WeightDecay),
+        ("constrain", constraints.Constrain),
+        ("ema", ema.EMA),
+    ):
         real = cls.check
 
         def check(self, ctx, real=real, name=name):
@@ -85,7 +89,9 @@ def test_a_fresh_pu_step_per_iteration_shares_the_cache(full_checks):
         with pu.step(m, opt) as s:
             m(x).pow(2).sum().backward()
         opt.zero_grad()
-        copies.append([id(c) for plan in commit_caches(s.index, opt)[0]._plans.values() for _, kept in plan for c in kept])
+        copies.append(
+            [id(c) for plan in commit_caches(s.index, opt)[0]._plans.values() for _, kept in plan for c in kept]
+        )
     assert full_checks == {"weight_decay": 1, "constrain": 1, "ema": 1}
     assert copies[1] == copies[2] == copies[3] and copies[1]  # the same kept buffers every step
     ref, ref_opt, ref_avg = _reference(4)

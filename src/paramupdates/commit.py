@@ -290,8 +290,11 @@ class Commit:
         for phase in PHASES:
             if phase == GRAD:
                 if self.optimizer is not None:
-                    rows.append(ScheduleEntry(GRAD, "<optimizer parameters>", f"{type(self.optimizer).__name__}.step",
-                                              "-", self.label))
+                    rows.append(
+                        ScheduleEntry(
+                            GRAD, "<optimizer parameters>", f"{type(self.optimizer).__name__}.step", "-", self.label
+                        )
+                    )
                 continue
             for rule in self.rules:
                 if rule.phase == phase:

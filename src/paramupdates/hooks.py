@@ -130,8 +130,9 @@ class SyncBackend(Protocol):
         """Replace the pending values of ``synced`` by their reduction; return how many ranks
         reported non-finite unsynced values."""
 
-    def apply_eager(self, op: str, target: torch.Tensor, operand: Any, key: Any, cond: Any, sync: str,
-                    name: str, origin: str) -> None:
+    def apply_eager(
+        self, op: str, target: torch.Tensor, operand: Any, key: Any, cond: Any, sync: str, name: str, origin: str
+    ) -> None:
         """A synced update outside a step: reduce the new value now, then write it."""
 
 

@@ -147,7 +147,14 @@ class Journal:
     # recording
     # ------------------------------------------------------------------
     def record(
-        self, e: Entry, op: str, operand: Any, key: Any, phase: str | None, sync: str | None, origin: Origin | str,
+        self,
+        e: Entry,
+        op: str,
+        operand: Any,
+        key: Any,
+        phase: str | None,
+        sync: str | None,
+        origin: Origin | str,
         fresh: bool = False,
     ) -> None:
         """Validate one update of ``e``'s target and make its new value pending (see the module docstring)."""

@@ -128,6 +128,4 @@ def check_operand(op: str, target: torch.Tensor, operand: Any, key: Any, name: s
             except (IndexError, RuntimeError, TypeError) as e:
                 raise UpdateError(f"{where_}: bad key {key!r} for shape {tuple(target.shape)} ({e}).") from None
     else:
-        raise UpdateError(
-            f"{where_}: value of type {type(operand).__name__} is not a tensor or a Python number."
-        )
+        raise UpdateError(f"{where_}: value of type {type(operand).__name__} is not a tensor or a Python number.")

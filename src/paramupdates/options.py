@@ -53,9 +53,7 @@ class StepOptions:
         if self.on_nonfinite not in NONFINITE:
             raise ValueError(f"on_nonfinite must be 'raise' or 'skip', not {self.on_nonfinite!r}")
         if self.process_group is not None or self.sync_timeout is not None:
-            secs = hooks.sync_backend("process_group/sync_timeout").check_options(
-                self.process_group, self.sync_timeout
-            )
+            secs = hooks.sync_backend("process_group/sync_timeout").check_options(self.process_group, self.sync_timeout)
             object.__setattr__(self, "sync_timeout", secs)
 
 

@@ -19,18 +19,54 @@ from .updates import issue
 # Attributes that describe the parameter object itself, never its value.
 _STATE_ATTRS = frozenset(
     {
-        "grad", "_grad", "data", "requires_grad", "is_leaf", "grad_fn", "_grad_fn", "_version",
-        "_base", "retains_grad", "_backward_hooks", "_post_accumulate_grad_hooks", "names",
-        "shape", "dtype", "device", "layout", "is_cuda", "ndim", "_cdata", "output_nr",
+        "grad",
+        "_grad",
+        "data",
+        "requires_grad",
+        "is_leaf",
+        "grad_fn",
+        "_grad_fn",
+        "_version",
+        "_base",
+        "retains_grad",
+        "_backward_hooks",
+        "_post_accumulate_grad_hooks",
+        "names",
+        "shape",
+        "dtype",
+        "device",
+        "layout",
+        "is_cuda",
+        "ndim",
+        "_cdata",
+        "output_nr",
     }
 )
 # Methods that act on the object (hooks, storage, in-place writes), never on its value.
 _OBJECT_METHODS = frozenset(
     {
-        "backward", "register_hook", "register_post_accumulate_grad_hook", "retain_grad",
-        "__setstate__", "__reduce_ex__", "__deepcopy__", "untyped_storage", "storage",
-        "_typed_storage", "data_ptr", "is_shared", "__setitem__", "size", "dim", "numel",
-        "element_size", "stride", "storage_offset", "is_contiguous", "__len__", "__hash__",
+        "backward",
+        "register_hook",
+        "register_post_accumulate_grad_hook",
+        "retain_grad",
+        "__setstate__",
+        "__reduce_ex__",
+        "__deepcopy__",
+        "untyped_storage",
+        "storage",
+        "_typed_storage",
+        "data_ptr",
+        "is_shared",
+        "__setitem__",
+        "size",
+        "dim",
+        "numel",
+        "element_size",
+        "stride",
+        "storage_offset",
+        "is_contiguous",
+        "__len__",
+        "__hash__",
     }
 )
 

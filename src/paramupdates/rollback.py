@@ -105,9 +105,9 @@ class SnapshotPool:
 
     def nbytes(self) -> int:
         """Bytes of the kept copies (live between commits)."""
-        return sum(c.numel() * c.element_size() for plan in self._plans.values() for _, kept in plan if kept
-                   for c in kept)
-
+        return sum(
+            c.numel() * c.element_size() for plan in self._plans.values() for _, kept in plan if kept for c in kept
+        )
 
 
 def copies_of(pool: SnapshotPool | None, ts: list[torch.Tensor]) -> Copies:

@@ -88,10 +88,7 @@ class Schedule(Sequence[ScheduleEntry]):
 
     def __str__(self) -> str:
         header = ("#", "phase", "target", "op", "condition", "origin")
-        body = [
-            (str(i), r.phase, r.target, r.op, r.condition, r.origin)
-            for i, r in enumerate(self._rows)
-        ]
+        body = [(str(i), r.phase, r.target, r.op, r.condition, r.origin) for i, r in enumerate(self._rows)]
         if not body:
             return "(empty schedule)"
         widths = [max(len(row[c]) for row in [header, *body]) for c in range(len(header))]

@@ -288,9 +288,7 @@ class Attachment(_Owner):
     :meth:`flush` or :meth:`state_dict` rolls it back, with a warning.)
     """
 
-    def __init__(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, **options: Unpack[StepOptionsDict]
-    ) -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, **options: Unpack[StepOptionsDict]) -> None:
         super().__init__(model, optimizer, make_options(dict(options), "pu.attach"))
         self.journal: Journal | None = None  # the step being recorded (or committed)
         self.commit: Commit | None = None  # its commit, between the pre- and post-hook
@@ -513,9 +511,7 @@ def _run_by_explicit_commit(optimizer: Any) -> bool:
     return any(c.optimizer is optimizer for c in context.committing)
 
 
-def attach(
-    model: nn.Module, optimizer: torch.optim.Optimizer, **options: Unpack[StepOptionsDict]
-) -> Attachment:
+def attach(model: nn.Module, optimizer: torch.optim.Optimizer, **options: Unpack[StepOptionsDict]) -> Attachment:
     """Commit ``model``'s updates inside ``optimizer.step()`` via its step pre/post hooks.
 
     The commit order is the same as :func:`step` (rule 4): the pre-hook

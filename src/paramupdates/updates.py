@@ -35,7 +35,13 @@ from .targets import describe, owner_anywhere
 
 
 def issue(
-    op: str, target: torch.Tensor, operand: Any, key: Any, phase: str | None, sync: str | None, fresh: bool = False,
+    op: str,
+    target: torch.Tensor,
+    operand: Any,
+    key: Any,
+    phase: str | None,
+    sync: str | None,
+    fresh: bool = False,
     depth: int = 3,
 ) -> None:
     """Issue one update (what every public update function calls).
@@ -82,8 +88,10 @@ def issue(
             raise
         check_operand(op, target, operand, key, owner[0], origin)
         raise
-    log = context.eager_log if context.eager_log is not None else (
-        hooks.adopt_segment() if hooks.segment_probes else None
+    log = (
+        context.eager_log
+        if context.eager_log is not None
+        else (hooks.adopt_segment() if hooks.segment_probes else None)
     )
     if log is not None:
         log.note(target)  # inside a checkpointed segment: keep the value at segment entry (rule 3)

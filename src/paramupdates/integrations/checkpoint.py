@@ -104,8 +104,11 @@ def _warn_plain_batchnorm(fn: Any) -> None:
         return
     from ..nn.batchnorm import UpdateSafeBatchNorm
 
-    plain = [n or type(m).__name__ for n, m in mod.named_modules()
-             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(m, UpdateSafeBatchNorm)]
+    plain = [
+        n or type(m).__name__
+        for n, m in mod.named_modules()
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(m, UpdateSafeBatchNorm)
+    ]
     if plain:
         _WARNED.add(id(mod))
         warnings.warn(
@@ -142,9 +145,7 @@ def checkpoint(
         # checkpointed region only with
         # torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True,
         # and no context_fn other than a pair of dispatch modes.)
-        return _tc.checkpoint(
-            fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs
-        )
+        return _tc.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
     _warn_plain_batchnorm(fn)
     return _tc.checkpoint(
         fn,

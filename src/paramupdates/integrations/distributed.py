@@ -203,7 +203,9 @@ def layout_fingerprint(plan: Sequence[tuple[Any, Sequence[Entry]]], seq: int | N
     bits in all, the whole CRC) for 2 ranks, 5 bits for 4096 ranks. The
     device enters by type only: under NCCL rank r's tensors live on cuda:r.
     """
-    key = tuple((e.name, e.sync, e.value.dtype, e.value.device.type, tuple(e.value.shape)) for _k, es in plan for e in es)
+    key = tuple(
+        (e.name, e.sync, e.value.dtype, e.value.device.type, tuple(e.value.shape)) for _k, es in plan for e in es
+    )
     crc = _LAYOUT_CRC.get(key)
     if crc is None:
         crc = zlib.crc32(";".join(f"{n}:{shape}:{dt}:{dev}:{how}" for n, how, dt, dev, shape in key).encode())
@@ -242,8 +244,9 @@ def _divide(flat: torch.Tensor, world: int) -> torch.Tensor:
     return flat.copy_(torch.div(flat, world, rounding_mode="floor"))
 
 
-def apply_eager(op: str, target: torch.Tensor, operand: Any, key: Any, cond: torch.Tensor | None,
-                sync: str, name: str, origin: str) -> None:
+def apply_eager(
+    op: str, target: torch.Tensor, operand: Any, key: Any, cond: torch.Tensor | None, sync: str, name: str, origin: str
+) -> None:
     """A synced update outside a step (rule 8 with rule 9): reduce the new value now, then write it.
 
     One blocking ``all_reduce`` over the default group per update (the
@@ -355,8 +358,9 @@ class DistributedSync:
     def reduce(self, commit: Commit, synced: list[Entry], local_nonfinite: bool) -> int:
         return sync_entries(commit, synced, local_nonfinite)
 
-    def apply_eager(self, op: str, target: torch.Tensor, operand: Any, key: Any, cond: Any, sync: str,
-                    name: str, origin: str) -> None:
+    def apply_eager(
+        self, op: str, target: torch.Tensor, operand: Any, key: Any, cond: Any, sync: str, name: str, origin: str
+    ) -> None:
         apply_eager(op, target, operand, key, cond, sync, name, origin)
 
 

@@ -85,7 +85,12 @@ def originals(plist: parametrize.ParametrizationList) -> list[torch.Tensor]:
 
 
 def inverse(
-    plist: parametrize.ParametrizationList, name: str, op: str, current: torch.Tensor, operand: Any, key: Any,
+    plist: parametrize.ParametrizationList,
+    name: str,
+    op: str,
+    current: torch.Tensor,
+    operand: Any,
+    key: Any,
     origin: str,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``[(original_i, new value)]`` for the update ``op(current, operand)`` of the parametrized tensor."""
@@ -98,16 +103,16 @@ def inverse(
                 f"Give {type(p).__name__} a right_inverse(value) method, or update the original(s) directly."
             )
     with torch.no_grad():
-        value = apply_op(op, current.detach(), operand.detach() if isinstance(operand, torch.Tensor) else operand,
-                         key, None)
+        value = apply_op(
+            op, current.detach(), operand.detach() if isinstance(operand, torch.Tensor) else operand, key, None
+        )
         for p in reversed(plist):
             value = p.right_inverse(value)
     origs = originals(plist)
     values = [value] if plist.is_tensor else list(value)
     if len(values) != len(origs):
         raise UpdateError(
-            f"pu.{op} on {name!r} at {origin}: right_inverse returned {len(values)} tensors for "
-            f"{len(origs)} originals."
+            f"pu.{op} on {name!r} at {origin}: right_inverse returned {len(values)} tensors for {len(origs)} originals."
         )
     return list(zip(origs, values))
 
@@ -120,7 +125,9 @@ def _orig_names(plist: parametrize.ParametrizationList, name: str) -> str:
     return ", ".join(f"'{prefix}.original{i}'" for i in range(plist.ntensors))
 
 
-def resolve(target: torch.Tensor, op: str, operand: Any, key: Any, origin: str) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+def resolve(
+    target: torch.Tensor, op: str, operand: Any, key: Any, origin: str
+) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
     """The target resolver: ``[(original_i, new value)]`` when ``target`` is a parametrization's output."""
     src = source(target)
     if src is None:

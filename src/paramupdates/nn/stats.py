@@ -37,8 +37,11 @@ def recompute_batchnorm_stats(model: nn.Module, loader: Iterable[Any], device: A
     (convert them with ``pu.convert(model)``) and :class:`~paramupdates.UpdateError`
     when called inside a step.
     """
-    plain = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
-             and not isinstance(m, UpdateSafeBatchNorm)]
+    plain = [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, UpdateSafeBatchNorm)
+    ]
     if plain:
         raise TypeError(
             f"pu.recompute_batchnorm_stats: {plain[:3]} are torch.nn batch norms, which write their "

@@ -79,7 +79,14 @@ class Constraint:
         (a rule must not keep them alive); rebuilt when any tensor's storage changes."""
         keep = [i for i, t in enumerate(ts) if t.numel()]
         sub = [ts[i] for i in keep]
-        return [[keep[j] for j in idx] for _k, (_, idx) in _group_tensors_by_device_and_dtype([sub], with_indices=True).items()] if sub else []
+        return (
+            [
+                [keep[j] for j in idx]
+                for _k, (_, idx) in _group_tensors_by_device_and_dtype([sub], with_indices=True).items()
+            ]
+            if sub
+            else []
+        )
 
     def apply_(self, ts: list[torch.Tensor], plan: Any) -> None:
         """Apply in place to ``ts`` (the tensors :meth:`plan` saw)."""
@@ -106,7 +113,9 @@ class _Norm(Constraint):
         if t.is_complex():
             raise ValueError(f"pu.{self.name} at {origin}: {name!r} is complex; not supported")
         if self.dim is not None and t.ndim > 0 and not -t.ndim <= self.dim < t.ndim:
-            raise ValueError(f"pu.{self.name} at {origin}: dim={self.dim} is out of range for {name!r} of shape {tuple(t.shape)}")
+            raise ValueError(
+                f"pu.{self.name} at {origin}: dim={self.dim} is out of range for {name!r} of shape {tuple(t.shape)}"
+            )
 
     def _dims(self, t: torch.Tensor) -> tuple[int, ...] | None:
         if self.dim is None or t.ndim == 0:
@@ -157,7 +166,10 @@ class _Norm(Constraint):
         wholes = []
         if whole:
             sub = [ts[i] for i in whole]
-            wholes = [[whole[j] for j in idx] for _k, (_, idx) in _group_tensors_by_device_and_dtype([sub], with_indices=True).items()]
+            wholes = [
+                [whole[j] for j in idx]
+                for _k, (_, idx) in _group_tensors_by_device_and_dtype([sub], with_indices=True).items()
+            ]
         return wholes, rows
 
     def apply_(self, ts: list[torch.Tensor], plan: Any) -> None:
@@ -183,7 +195,7 @@ class _Norm(Constraint):
                 parts: list[torch.Tensor] = []
                 at = 0
                 for cat, k in lengths:
-                    batch = vs[at:at + k]
+                    batch = vs[at : at + k]
                     at += k
                     if cat:
                         parts.append(torch.linalg.vector_norm(torch.cat(batch) if k > 1 else batch[0], dim=dims))
@@ -421,8 +433,11 @@ class Constrain(Rule):
                         f"constraint {self.constraint.name!r} (declared at {self.origin}) raised on {name!r}: "
                         f"{type(exc).__name__}: {exc}. Nothing of this step was written."
                     ) from exc
-                if not isinstance(new, torch.Tensor) or new.shape != t.shape or new.device != t.device or (
-                    new.is_floating_point() and not t.is_floating_point()
+                if (
+                    not isinstance(new, torch.Tensor)
+                    or new.shape != t.shape
+                    or new.device != t.device
+                    or (new.is_floating_point() and not t.is_floating_point())
                 ):
                     got = where(new) if isinstance(new, torch.Tensor) else type(new).__name__
                     raise UpdateError(
@@ -436,7 +451,9 @@ class Constrain(Rule):
                     t.copy_(new)
 
 
-def constrain(params: torch.Tensor | nn.Module | Any, constraint: Constraint | Callable[[torch.Tensor], torch.Tensor]) -> Constrain:
+def constrain(
+    params: torch.Tensor | nn.Module | Any, constraint: Constraint | Callable[[torch.Tensor], torch.Tensor]
+) -> Constrain:
     """Declare ``constraint`` on ``params``; phase ``after_grad``.
 
     After each ``optimizer.step()`` (once per optimizer update), every tensor
@@ -453,8 +470,10 @@ def constrain(params: torch.Tensor | nn.Module | Any, constraint: Constraint | C
     refuse_inside_step("pu.constrain", origin)
     if not isinstance(constraint, Constraint):
         if not callable(constraint):
-            raise TypeError(f"pu.constrain at {origin}: constraint must be a pu constraint or a callable, "
-                            f"not {type(constraint).__name__}")
+            raise TypeError(
+                f"pu.constrain at {origin}: constraint must be a pu constraint or a callable, "
+                f"not {type(constraint).__name__}"
+            )
         constraint = CallableConstraint(constraint)
     named = named_tensors(params, "pu.constrain")
     if not named:

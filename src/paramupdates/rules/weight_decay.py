@@ -114,12 +114,20 @@ class WeightDecay(Rule):
     def _opt_key(self, opt: torch.optim.Optimizer, live: list[Any]) -> tuple:
         """What the plan depends on besides storage: the param groups, their lrs, which tensors have a gradient."""
         with plain_if(self._sub):
-            grads = list(map(_grad_of, live)) if not _any_none(live) else [None if t is None else _grad_of(t) for t in live]
+            grads = (
+                list(map(_grad_of, live)) if not _any_none(live) else [None if t is None else _grad_of(t) for t in live]
+            )
         # the common case (every tensor alive with a gradient) without a per-tensor Python test
         has_grad: tuple[bool, ...] | bool = True if not _any_none(grads) else tuple(g is not None for g in grads)
         groups = opt.param_groups
         lrs = tuple([float(g["lr"]) for g in groups]) if self.scale_by_lr else ()
-        return (id(opt), tuple([id(g["params"]) for g in groups]), tuple([len(g["params"]) for g in groups]), lrs, has_grad)
+        return (
+            id(opt),
+            tuple([id(g["params"]) for g in groups]),
+            tuple([len(g["params"]) for g in groups]),
+            lrs,
+            has_grad,
+        )
 
     def _hold(self, live: list[Any]) -> None:
         self._live = live  # held for this commit only

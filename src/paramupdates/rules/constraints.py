@@ -366,9 +366,13 @@ class Constrain(Rule):
     phase = AFTER_GRAD
     per_optimizer_update = True
 
-    def __init__(self, named: list[tuple[str, torch.Tensor]], constraint: Constraint, origin: str) -> None:
+    def __init__(
+        self, named: list[tuple[str, torch.Tensor]], constraint: Constraint, origin: str, foreach: bool = True
+    ) -> None:
         super().__init__(origin)
         self.constraint = constraint
+        # a user callable has only the reference path: c(w) tensor by tensor
+        self.foreach = foreach and not isinstance(constraint, CallableConstraint)
         self.kind = f"constrain:{constraint.name}"
         self.infallible = constraint.infallible
         self.names = [n for n, _ in named]
@@ -395,7 +399,7 @@ class Constrain(Rule):
             with no_subclass():
                 for t, name in zip(ts, self.names):
                     self.constraint.validate(ctx.index.name_of(t) or name, t, self.origin)
-                self._plan = None if isinstance(self.constraint, CallableConstraint) else self.constraint.plan(ts)
+                self._plan = self.constraint.plan(ts) if self.foreach else None
             self._key = key
         self._live = ts  # held for this commit only
 
@@ -412,15 +416,16 @@ class Constrain(Rule):
         return True
 
     def apply(self, ctx: CommitContext) -> None:
-        if isinstance(self.constraint, CallableConstraint):
-            self._apply_callable(ctx)
+        if not self.foreach:
+            self._apply_reference(ctx)
             return
         ts, self._live = self._live, []
         with plain_if(self._sub):
             self.constraint.apply_(ts, self._plan)
 
-    def _apply_callable(self, ctx: CommitContext) -> None:
-        # Compute and validate every new value first, then write: a failure writes nothing.
+    def _apply_reference(self, ctx: CommitContext) -> None:
+        """``t <- c(t)`` tensor by tensor (the Keras formula, out of place; a user callable's only path).
+        Every new value is computed and validated first, then written: a failure writes nothing."""
         ts, self._live = self._live, []
         news = []
         with no_subclass():
@@ -452,7 +457,10 @@ class Constrain(Rule):
 
 
 def constrain(
-    params: torch.Tensor | nn.Module | Any, constraint: Constraint | Callable[[torch.Tensor], torch.Tensor]
+    params: torch.Tensor | nn.Module | Any,
+    constraint: Constraint | Callable[[torch.Tensor], torch.Tensor],
+    *,
+    foreach: bool | None = None,
 ) -> Constrain:
     """Declare ``constraint`` on ``params``; phase ``after_grad``.
 
@@ -463,8 +471,9 @@ def constrain(
     ``pu.non_neg``, ``pu.min_max_norm``, ``pu.clamp`` (foreach, Keras
     semantics; see the module docstring for the math and the ``dim``
     convention) or any callable ``tensor -> tensor`` (same shape and device).
-    Several constraints on one tensor apply in declaration order. Returns the
-    rule (``.remove()`` undeclares it).
+    Several constraints on one tensor apply in declaration order. ``foreach=False``
+    runs the reference path (``t <- c(t)`` tensor by tensor; equal to the foreach path
+    up to the rounding of the norms). Returns the rule (``.remove()`` undeclares it).
     """
     origin = call_site(2)
     refuse_inside_step("pu.constrain", origin)
@@ -480,6 +489,6 @@ def constrain(
         raise ValueError(f"pu.constrain at {origin}: no tensors given")
     for name, t in named:
         constraint.validate(name, t, origin)
-    rule = Constrain(named, constraint, origin)
+    rule = Constrain(named, constraint, origin, foreach is not False)
     register(rule)
     return rule

@@ -66,6 +66,7 @@ class EMA(Rule):
     kind = "ema"
     infallible = True  # foreach lerp/copy on pairs validated in check()
     per_optimizer_update = True
+    foreach = True  # False: the per-tensor reference path (bitwise the same result)
 
     def __init__(
         self, model: nn.Module, module: nn.Module, decay: float, warmup: Warmup, include_buffers: bool, origin: str
@@ -168,6 +169,14 @@ class EMA(Rule):
     def apply(self, ctx: CommitContext) -> None:
         w = self._weight
         with plain_if(self._sub):
+            if not self.foreach:  # the reference path: one pair at a time
+                for s, d, a in zip(self._src, self._dst, self._avg):
+                    if a:
+                        d.lerp_(s, w)
+                    else:
+                        d.copy_(s)
+                self.updates += 1
+                return
             for d, s in self._lerp:
                 torch._foreach_lerp_(d, s, w)
             for d, s in self._copy:
@@ -196,6 +205,7 @@ def ema(
     *,
     warmup: Warmup = None,
     include_buffers: bool = True,
+    foreach: bool | None = None,
 ) -> nn.Module:
     """Declare an exponential moving average of ``model``; phase ``after_step``. Returns the averaged copy.
 
@@ -210,7 +220,8 @@ def ema(
     ``requires_grad``) to evaluate with. Tensors are bound at declaration:
     replacing a parameter or buffer object of ``model`` later (rather than
     writing it in place) is not followed. ``pu.rules.ema.rule_of(copy)`` is
-    the rule (``.updates``, ``.remove()``).
+    the rule (``.updates``, ``.remove()``). ``foreach=False`` runs the per-tensor
+    reference path (``a.lerp_(p, 1 - d_t)`` pair by pair; bitwise the same result).
     """
     origin = call_site(2)
     refuse_inside_step("pu.ema", origin)
@@ -226,6 +237,7 @@ def ema(
     module.requires_grad_(False)
     module.eval()
     rule = EMA(model, module, decay, warmup, bool(include_buffers), origin)
+    rule.foreach = foreach is not False
     register(rule)
     _BY_COPY[module] = weakref.ref(rule)
     return module

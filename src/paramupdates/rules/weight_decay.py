@@ -17,7 +17,9 @@ skips them.
 One ``torch._foreach_mul_`` (with a list of per-tensor factors) per device and
 dtype; the grouping and the factors are cached and rebuilt only when the
 learning rates, the param groups, the set of parameters with gradients, or the
-tensors' storage (``model.to()``, ``.data =``) change.
+tensors' storage (``model.to()``, ``.data =``) change. ``foreach=False`` runs the
+readable reference path instead, ``p.mul_(1 - lr_g * rate_p)`` tensor by tensor
+(bitwise the same result: ``tests/test_weight_decay.py``).
 """
 
 from __future__ import annotations
@@ -64,8 +66,11 @@ class WeightDecay(Rule):
     infallible = True  # foreach mul by Python floats on floating tensors: validated at declaration
     per_optimizer_update = True
 
-    def __init__(self, named: list[tuple[str, torch.Tensor, float]], scale_by_lr: bool, origin: str) -> None:
+    def __init__(
+        self, named: list[tuple[str, torch.Tensor, float]], scale_by_lr: bool, origin: str, foreach: bool = True
+    ) -> None:
         super().__init__(origin)
+        self.foreach = foreach
         self.names = [n for n, _, _ in named]
         self.rates = [r for _, _, r in named]
         self._tensors = WeakList([t for _, t, _ in named])
@@ -74,6 +79,7 @@ class WeightDecay(Rule):
         # indices into the declared tensors, never the tensors (a rule must not keep them alive)
         self._groups: list[tuple[list[int], list[Any]]] = []
         self._written: list[int] = []
+        self._factors: list[float] = []  # per written tensor: the reference path's Python factors
         self._all = False
         self._direct = False  # _all, in one group in declaration order: apply to the live list as is
         self._live: list[Any] = []
@@ -175,6 +181,7 @@ class WeightDecay(Rule):
                 stacklevel=2,
             )
         self._written = written
+        self._factors = factors
         self._all = written == list(range(len(live)))  # every covered tensor is decayed (the common case)
         self._groups = []
         if ts:
@@ -198,7 +205,10 @@ class WeightDecay(Rule):
     def apply(self, ctx: CommitContext) -> None:
         live = self._live
         with plain_if(self._sub):
-            if self._direct:
+            if not self.foreach:  # the reference path: one tensor at a time
+                for i, f in zip(self._written, self._factors):
+                    live[i].mul_(f)
+            elif self._direct:
                 torch._foreach_mul_(live, self._groups[0][1])  # every covered tensor, one device and dtype, in order
             else:
                 for idx, factors in self._groups:
@@ -213,6 +223,7 @@ def weight_decay(
     *,
     exclude: Exclude | None = skip_1d,
     scale_by_lr: bool = True,
+    foreach: bool | None = None,
 ) -> WeightDecay:
     """Declare decoupled weight decay on ``params``; phase ``before_grad``.
 
@@ -230,6 +241,8 @@ def weight_decay(
             ``None`` excludes nothing.
         scale_by_lr: multiply the rate by the learning rate (decoupled decay as
             in AdamW); ``False`` decays by ``rate`` alone.
+        foreach: ``None``/``True``: one ``torch._foreach_mul_`` per device and dtype;
+            ``False``: the per-tensor reference path (same result, bitwise).
 
     A ``pu.Parameter(weight_decay=r)`` uses ``r`` instead of ``rate``, and its
     explicit rate also overrides ``exclude`` (``weight_decay=0.0`` exempts it).
@@ -238,7 +251,7 @@ def weight_decay(
     """
     origin = call_site(2)
     refuse_inside_step("pu.weight_decay", origin)
-    if exclude is ...:  # DESIGN.md writes the default as "..."
+    if exclude is ...:  # the contract writes the default as "..."
         exclude = skip_1d
     rate = float(rate)
     if not rate >= 0.0:
@@ -258,6 +271,6 @@ def weight_decay(
                 raise ValueError(f"pu.weight_decay at {origin}: {name!r} is {t.dtype}, not floating point")
             continue
         chosen.append((name, t, r))
-    rule = WeightDecay(chosen, bool(scale_by_lr), origin)
+    rule = WeightDecay(chosen, bool(scale_by_lr), origin, foreach is not False)
     register(rule)
     return rule

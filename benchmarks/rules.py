@@ -21,7 +21,7 @@ median of the rounds):
   weights of each row length, one per large weight);
 * ``foreach + checks``: ``foreach`` plus one pass over the storage of the tensors the
   rules touch and one over the decayed weights' gradients: the least that a commit
-  which validates before writing (DESIGN rule 7) adds, i.e. the floor of pu / foreach;
+  which validates before writing (DESIGN validated commit (rule 7)) adds, i.e. the floor of pu / foreach;
 
 Part A isolates the rules: the optimizer's ``step`` does nothing (so the time is
 the rules plus what pu adds). Part B adds a real ``SGD(foreach=True)`` step to

@@ -1,6 +1,6 @@
 """Gradient accumulation: K micro-batches, then one optimizer step.
 
-The semantics (rule 1 and rule 4), stated and checked against an explicit reference:
+The semantics (read-your-writes, rule 1 and phase order (rule 4)), stated and checked against an explicit reference:
 
 * micro-batch k's forward reads the running statistics micro-batch k-1 left
   pending:  m_k = (1 - a) m_{k-1} + a mean(x_k),

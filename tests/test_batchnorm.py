@@ -109,7 +109,7 @@ def test_constructor_arguments_match_torch():
 
 
 def test_no_write_before_commit_and_reads_see_pending():
-    """Rule 2 and rule 1 for the running statistics inside a step."""
+    """Rule 2 and read-your-writes (rule 1) for the running statistics inside a step."""
     mod = pu.nn.BatchNorm1d(4)
     ref = nn.BatchNorm1d(4)
     committed = mod.running_mean
@@ -189,7 +189,7 @@ def test_eval_forward_in_the_same_step_reads_pending_statistics():
     with pu.step(mod):
         mod(x1)
         mod.eval()
-        y = mod(x2)  # normalizes with the statistics x1 left pending (rule 1)
+        y = mod(x2)  # normalizes with the statistics x1 left pending (read-your-writes, rule 1)
     _assert_bits(y_ref, y, "eval output")
     _assert_modules(ref, mod)
 

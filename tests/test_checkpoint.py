@@ -82,7 +82,7 @@ def test_torch_batchnorm_under_torch_checkpoint_updates_twice():
 
 
 def test_pu_checkpoint_outside_a_step_applies_once():
-    """Eager (rule 8) plus rule 3: with no step, the forward applies, the recomputation drops."""
+    """Eager (eager outside a step, rule 8) plus replay (rule 3): with no step, the forward applies, the recomputation drops."""
     xs = [torch.randn(4, 3, 5, 5) for _ in range(2)]
     ref, ckpt = Net(nn.BatchNorm2d), Net(ckpt=pu.checkpoint)
     _same_init(ref, ckpt)

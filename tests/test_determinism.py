@@ -1,4 +1,4 @@
-"""Determinism (rule 11): the same script run twice, in separate processes with different
+"""Determinism (determinism, rule 11): the same script run twice, in separate processes with different
 hash seeds, gives bitwise equal state (a sha256 of every state byte: model, optimizer,
 rule state, counters) and an identical schedule() text."""
 

@@ -324,7 +324,7 @@ def scen_eager_and_when(rank, world):
     """Outside a step a synced update is reduced at once; under when(tensor) a false rank contributes old."""
     m = Two()
     m.register_buffer("count", torch.zeros((), dtype=torch.long))
-    pu.assign(m.a, torch.full((2,), float(rank + 1)), sync="mean")  # eager (rule 8): 1.5 on both
+    pu.assign(m.a, torch.full((2,), float(rank + 1)), sync="mean")  # eager (eager outside a step, rule 8): 1.5 on both
     pu.assign_add(m.count, rank + 1, sync="sum")  # 3 on both
     pu.assign(m.local, torch.full((2,), float(rank + 1)))  # eager, not synced: rank-local
     eager = state_of(m)

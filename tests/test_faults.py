@@ -1,4 +1,4 @@
-"""Fault injection: an exception anywhere inside a step changes nothing (rule 7).
+"""Fault injection: an exception anywhere inside a step changes nothing (validated commit, rule 7).
 
 An exception raised at a random point of a step (in user code, inside a
 declared rule of any phase, inside the optimizer before or after it wrote,

@@ -45,7 +45,7 @@ def check(program: list, driver: str, rules: list | None = None) -> None:
     assert sorted(state) == sorted(ref.state)
     for k, want in ref.state.items():
         assert _same(state[k], want), f"final {k}: paramupdates {state[k]!r}, reference {want!r}"
-    assert run.schedules == ref.schedules  # schedule(): rule 4's order, step by step
+    assert run.schedules == ref.schedules  # schedule(): phase order (rule 4)'s order, step by step
     for n in ("w", "tp"):  # gradients accumulate across micro-batches and optimizer-less steps
         g = getattr(run.m, n).grad
         assert (g is None) == (ref.grads[n] is None), n

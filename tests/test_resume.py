@@ -1,4 +1,4 @@
-"""Save and resume (rule 11): torch.save of model + optimizer + stepper state mid-training,
+"""Save and resume (determinism, rule 11): torch.save of model + optimizer + stepper state mid-training,
 loaded into fresh objects, continues to a final state bitwise equal to an uninterrupted run
 (CPU), including pu.nn.BatchNorm1d's running statistics and num_batches_tracked, the rules' state (an EMA-like shadow copy, call counters), the step
 counters and the skipped-step count."""

@@ -1,4 +1,4 @@
-"""The commit driver: one step's journal applied in the fixed phase order (rules 4 and 7).
+"""The commit driver: one step's journal applied in the fixed phase order (phase order, rule 4; validated commit, rule 7).
 
 Every way of ending a step commits through :class:`Commit` (``pu.step``,
 ``Stepper``, ``pu.attach`` and ``Attachment.flush``)::
@@ -92,7 +92,9 @@ class Commit:
         self.optimizer = optimizer
         self.options = options
         self.label = journal.label
-        self.seq = seq  # the owner's count of closed steps: ranks check they commit the same one (rule 9)
+        self.seq = (
+            seq  # the owner's count of closed steps: ranks check they commit the same one (distributed sync, rule 9)
+        )
         pool, self.ruleset = caches if caches is not None else (None, None)
         self.rollback = Rollback(options.atomic, pool, self)
         self.rules: list[Rule] = []
@@ -133,7 +135,7 @@ class Commit:
         self.state = "begun"
         rules = rules_for(j.index)
         if self.optimizer is None:
-            # rules that belong to the gradient update run once per real optimizer update (rule 1)
+            # rules that belong to the gradient update run once per real optimizer update (read-your-writes, rule 1)
             rules = [r for r in rules if not r.per_optimizer_update]
         self.rules = rules
         self.rollback.save_rules(rules)
@@ -197,7 +199,7 @@ class Commit:
                 if self.begin():
                     with torch.no_grad():
                         self.before_optimizer()
-                    self.journal.show_pending()  # later closure calls (LBFGS) read the pending values (rule 1)
+                    self.journal.show_pending()  # later closure calls (LBFGS) read the pending values (read-your-writes, rule 1)
                 else:
                     self.hide_grads()
             return loss
@@ -333,7 +335,7 @@ class Commit:
         self._flush_dirty()
         grad_done = GRAD in j.done_phases
         for e, phases in in_phase:
-            # A synced target (rule 9) commits its reduced value: it has one
+            # A synced target (distributed sync, rule 9) commits its reduced value: it has one
             # phase, is not trainable and no rule writes it (checked before).
             if e.sync is not None or (
                 len(phases) == 1

@@ -65,7 +65,7 @@ def when(pred: bool | torch.Tensor) -> Iterator[None]:
     ``pred`` is a Python ``bool`` (``False`` records nothing) or a 0-dim bool
     tensor (each update becomes ``new = torch.where(pred, new, old)``, with no
     host sync). Nested blocks AND their predicates. Reads inside the block see
-    the conditional value, in program order (rule 1).
+    the conditional value, in program order (read-your-writes, rule 1).
     """
     stack = context.conditions
     stack.append(_combine(stack[-1], _check(pred)))

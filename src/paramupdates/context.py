@@ -32,7 +32,7 @@ conditions: list[bool | torch.Tensor | None] = [None]
 """The ``pu.when`` conditions in force, combined: ``None`` (unconditional), ``False``, a bool tensor."""
 
 replay: Replay | None = None
-"""The view of the targets while a checkpointed segment is recomputed (rule 3)."""
+"""The view of the targets while a checkpointed segment is recomputed (replay, rule 3)."""
 
 eager_log: EagerLog | None = None
 """The innermost checkpointed segment running its forward outside a step: it notes the entry values

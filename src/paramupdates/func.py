@@ -11,7 +11,7 @@ off). With paramupdates the module *issues* its updates; under
 
 ``new_buffers`` maps the qualified name of every target updated during the
 call (``"bn.running_mean"``, ``"bn.num_batches_tracked"``...) to its new
-value, computed out of place in program order (rule 1: later reads inside
+value, computed out of place in program order (read-your-writes, rule 1: later reads inside
 the call see earlier updates); nothing of ``model`` or of the tensors passed
 in is written. It is an ordinary output, so it composes with the transforms:
 
@@ -55,7 +55,7 @@ def functional_call(
     Arguments as ``torch.func.functional_call``. Returns ``(output, updates)``
     where ``updates`` is ``{qualified name: new value}`` for every parameter
     or buffer an update was issued on (see the module docstring). Updates of
-    trainable parameters need a phase (rule 5), as in a step.
+    trainable parameters need a phase (ambiguity is an error, rule 5), as in a step.
     """
     j = Journal(ModelIndex(module), None, "pu.func.functional_call")
     context.explicit.append(j)

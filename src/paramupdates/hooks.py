@@ -10,14 +10,14 @@ modules register themselves:
 extension point        called by the core                              registered by
 =====================  ==============================================  =============================
 target resolvers       at each update, before routing: a tensor that   ``integrations.parametrize``
-                       is computed from stored ones (rule 10) becomes   (``right_inverse``)
+                       is computed from stored ones (transformed parameters, rule 10) becomes   (``right_inverse``)
                        updates of those
 module visitors        for each submodule when a model is indexed      ``integrations.parametrize``
 segment probes         at each update: the activation-checkpointing    ``integrations.checkpoint``
                        segment whose forward is running, if any        (``torch.utils.checkpoint``)
-                       (rule 3)
+                       (replay, rule 3)
 sync backend           ``sync=`` updates: validation at the call,       ``integrations.distributed``
-                       the all-reduce at commit (rule 9)
+                       the all-reduce at commit (distributed sync, rule 9)
 tracing support        while ``torch.compile`` traces: the call site,   ``integrations.compile``
                        trace-time constants
 =====================  ==============================================  =============================
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from .replay import EagerLog
 
 
-# --- target resolvers (rule 10) ---------------------------------------------
+# --- target resolvers (transformed parameters, rule 10) ---------------------------------------------
 TargetResolver = Callable[["torch.Tensor", str, Any, Any, str], "list[tuple[torch.Tensor, torch.Tensor]] | None"]
 """``(target, op, operand, key, origin) -> [(stored tensor, new value), ...]`` when ``target`` is
 computed from stored tensors (then the update becomes ``assign``s of those), else ``None``."""
@@ -74,7 +74,7 @@ def register_module_visitor(fn: ModuleVisitor) -> RemovableHandle:
     return handle
 
 
-# --- segment probes (rule 3) ---------------------------------------------------
+# --- segment probes (replay, rule 3) ---------------------------------------------------
 class SegmentProbe(Protocol):
     """Finds the activation-checkpointing segment whose forward is running."""
 
@@ -110,7 +110,7 @@ def in_segment() -> bool:
     return any(probe.active() for probe in segment_probes.values())
 
 
-# --- sync backend (rule 9) -----------------------------------------------------
+# --- sync backend (distributed sync, rule 9) -----------------------------------------------------
 class SyncBackend(Protocol):
     """Reduces pending values across ranks."""
 

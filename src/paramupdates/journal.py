@@ -5,7 +5,7 @@ dtype kind, device) and recorded as a :class:`Record` (op, operand,
 condition, phase, origin) on the :class:`Entry` of its target. The target's
 pending value is computed out of place (``ops.apply_op``) and shown to later
 reads (``overlay``): read-your-writes in program order (rule 1). No storage
-is written (rule 2): saved tensors stay valid, version counters do not move.
+is written (deferred commit, rule 2): saved tensors stay valid, version counters do not move.
 
 While a checkpointed segment is recomputed (``context.replay``), an update
 issued again moves only the replay's view and is not recorded (rule 3).
@@ -54,7 +54,7 @@ class Entry:
     value: torch.Tensor | None = None
     records: list[Record] = field(default_factory=list)
     swapped: bool = False  # a buffer slot holds the pending value
-    sync: str | None = None  # "mean"/"sum" when an update of this step asked for it (rule 9)
+    sync: str | None = None  # "mean"/"sum" when an update of this step asked for it (distributed sync, rule 9)
 
     def current(self) -> torch.Tensor:
         return self.target if self.value is None else self.value
@@ -193,7 +193,7 @@ class Journal:
             )
         check_operand(op, e.target, operand, key, e.name, origin)
         if replay is None and context.eager_log is None and hooks.segment_probes:
-            hooks.adopt_segment()  # inside a plain torch.utils.checkpoint segment: note its entry values (rule 3)
+            hooks.adopt_segment()  # inside a plain torch.utils.checkpoint segment: note its entry values (replay, rule 3)
         cond = context.conditions[-1]
         pred = cond if isinstance(cond, torch.Tensor) else None
         if isinstance(operand, torch.Tensor):

@@ -1,7 +1,7 @@
 """The update operations as pure functions, and operand validation.
 
 Each op maps ``(old, operand) -> new`` out of place, so a recorded update
-never writes storage (rule 2) and the same function serves the overlay
+never writes storage (deferred commit, rule 2) and the same function serves the overlay
 (read-your-writes), the commit fold and eager application:
 
 * ``assign``:      ``new = operand`` (cast to the target's dtype, broadcast from 0-dim)

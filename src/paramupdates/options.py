@@ -36,7 +36,7 @@ class StepOptions:
             restores everything bitwise (costs one copy of the written tensors and the optimizer's
             state during the commit).
         process_group: the ``torch.distributed`` group that ``sync="mean"``/``"sum"`` updates reduce
-            over at commit (rule 9); ``None``: the default group. Every rank of the group must commit
+            over at commit (distributed sync, rule 9); ``None``: the default group. Every rank of the group must commit
             its steps together.
         sync_timeout: seconds (or a ``timedelta``) to wait for the other ranks at the commit's
             all-reduce before raising :class:`~paramupdates.UpdateError`; ``None``: the group's own

@@ -1,4 +1,4 @@
-"""Showing pending values: what makes a read of a target see its pending value (rule 1).
+"""Showing pending values: what makes a read of a target see its pending value (read-your-writes, rule 1).
 
 A target shows a value other than its stored one in one of two ways:
 

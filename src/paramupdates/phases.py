@@ -1,4 +1,4 @@
-"""The phases of a commit, in their fixed order (design rule 4, ``docs/design.md``).
+"""The phases of a commit, in their fixed order (design phase order (rule 4), ``docs/design.md``).
 
 1. ``before_grad``: declared rules (weight decay), then updates issued with that phase;
 2. ``grad``: the optimizer's step, if the step has an optimizer;

@@ -8,14 +8,14 @@ mechanism calls it is glue (``integrations/checkpoint.py`` for
 
 * entering a segment in forward, :func:`entry_values` notes what every live
   journal shows for its targets: one reference per pending target, no copy
-  (pending values are never written in place, rule 2);
+  (pending values are never written in place, deferred commit (rule 2));
 * during the recomputation, ``context.replay`` is a :class:`Replay` that shows
   those values instead of the journals' latest ones. An update issued again
   moves only the replay's own view (so the segment's later reads see it, as
   they did the first time) and is not recorded: the journal keeps the one
   record the first run made.
 
-Outside a step (eager updates, rule 8) a segment's writes happen in place, in
+Outside a step (eager updates, eager outside a step (rule 8)) a segment's writes happen in place, in
 forward; the first write of each target in the segment keeps a copy of its
 entry value (:class:`EagerLog`), which the recomputation is shown (copied in
 with the version counter kept, and the latest value copied back after).
@@ -143,7 +143,7 @@ class Replay:
 class EagerLog:
     """Values at segment entry of the targets a segment writes eagerly (outside a step).
 
-    Eager updates write in place (rule 8); the recomputation must still read
+    Eager updates write in place (eager outside a step, rule 8); the recomputation must still read
     what the forward read, so the first write of each target in the segment
     keeps a copy of its entry value, and the recomputation shows it by
     copying it in and the latest value back out afterwards, with the version

@@ -1,4 +1,4 @@
-"""Rollback of a commit: the copies that let an exception restore everything bitwise (rule 7).
+"""Rollback of a commit: the copies that let an exception restore everything bitwise (validated commit, rule 7).
 
 With ``atomic=True``, before a commit writes a tensor while a fallible stage
 (the optimizer step, a rule that runs user code) is still to come, it copies

@@ -13,7 +13,7 @@ them through one driver (``commit.Commit``) in the fixed phase order of rule 4
 
 Updates to one target within a phase compose in issue order. A step commits
 on a clean exit and discards everything on an exception; every check runs
-before the first write (rule 7).
+before the first write (validated commit, rule 7).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class _Owner:
         self.skipped_steps = 0
         # Steps closed so far (committed, skipped, discarded or rolled back); a
         # commit's sync sends it so that ranks check they commit the same step
-        # (rule 9). Read and written only outside the forward (commit, discard):
+        # (distributed sync, rule 9). Read and written only outside the forward (commit, discard):
         # a value read in a compiled forward would be guarded on, and recompile.
         self._closed = 0
         self._last = Schedule()
@@ -144,9 +144,9 @@ class Stepper(_Owner):
     """A training step as a transaction over ``model`` (and ``optimizer``).
 
     ``with stepper: ...`` (or ``stepper.run(fn, *args)``) opens a step; updates
-    issued inside are recorded, reads see them in program order (rule 1), and
-    nothing is written (rule 2) until the block exits cleanly, when the commit
-    applies the phases in the fixed order of rule 4 (``optimizer.step()`` is
+    issued inside are recorded, reads see them in program order (read-your-writes, rule 1), and
+    nothing is written (deferred commit, rule 2) until the block exits cleanly, when the commit
+    applies the phases in their fixed order (phase order, rule 4; ``optimizer.step()`` is
     called by the commit, between ``before_grad`` and ``after_grad``). On an
     exception the step is discarded.
 
@@ -514,7 +514,7 @@ def _run_by_explicit_commit(optimizer: Any) -> bool:
 def attach(model: nn.Module, optimizer: torch.optim.Optimizer, **options: Unpack[StepOptionsDict]) -> Attachment:
     """Commit ``model``'s updates inside ``optimizer.step()`` via its step pre/post hooks.
 
-    The commit order is the same as :func:`step` (rule 4): the pre-hook
+    The commit order is the same as :func:`step` (phase order, rule 4): the pre-hook
     applies ``before_grad``; the optimizer applies the gradients; the
     post-hook applies ``after_grad``, ``auxiliary`` and ``after_step``.
     Returns an :class:`Attachment` (``.schedule()``, ``.flush()``,

@@ -53,7 +53,7 @@ class ModelIndex:
             visitors = list(hooks.module_visitors.values())
             for mod_name, mod in model.named_modules(remove_duplicate=True):
                 for visit in visitors:
-                    visit(mod, mod_name)  # e.g. rule 10: recognise a parametrization's outputs
+                    visit(mod, mod_name)  # e.g. transformed parameters (rule 10): recognise a parametrization's outputs
                 prefix = f"{mod_name}." if mod_name else ""
                 mref = weakref.ref(mod)
                 for kind, table in (("parameter", mod._parameters), ("buffer", mod._buffers)):

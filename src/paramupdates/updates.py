@@ -3,19 +3,19 @@
 Inside a step (``pu.step``, ``pu.Stepper``, or a model under ``pu.attach``)
 an update is validated at its call site and recorded; reads issued after it
 see it (read-your-writes, rule 1 of ``docs/design.md``); nothing is written
-until commit (rule 2), which applies it in its phase (rule 4):
+until commit (deferred commit, rule 2), which applies it in its phase (phase order, rule 4):
 
 * ``phase=None``: the ``auxiliary`` phase, after the gradient update. On a
   trainable target (one the optimizer also updates) that is ambiguous and
-  raises :class:`~paramupdates.AmbiguousOrderError` (rule 5);
+  raises :class:`~paramupdates.AmbiguousOrderError` (ambiguity is an error, rule 5);
 * ``phase="before_grad"`` / ``"after_grad"``: before / after ``optimizer.step()``;
 * ``phase="after_step"``: with EMA, after everything else.
 
 Outside a step an update applies at once, in place, under ``torch.no_grad()``
-(rule 8). Inside ``pu.when(False)`` nothing is recorded; inside
-``pu.when(tensor)`` the update becomes ``new = where(pred, new, old)`` (rule 6).
+(eager outside a step, rule 8). Inside ``pu.when(False)`` nothing is recorded; inside
+``pu.when(tensor)`` the update becomes ``new = where(pred, new, old)`` (conditions, rule 6).
 ``sync="mean"``/``"sum"`` all-reduces the pending value across the process
-group at commit (rule 9; outside a step, at once, over the default group).
+group at commit (distributed sync, rule 9; outside a step, at once, over the default group).
 All return ``None``: read the target to see the new value.
 """
 
@@ -63,7 +63,7 @@ def issue(
         for resolve in hooks.target_resolvers.values():
             stored = resolve(target, op, operand, key, str(origin))
             if stored is not None:
-                # rule 10: an update of a computed tensor becomes updates of what it is computed from
+                # transformed parameters (rule 10): an update of a computed tensor becomes updates of what it is computed from
                 for original, value in stored:
                     issue("assign", original, value, None, phase, sync, depth=depth + 1)
                 return
@@ -73,11 +73,11 @@ def issue(
         return
     pred = cond if isinstance(cond, torch.Tensor) else None  # None: unconditional
     if context.replay is not None:
-        # Issued again by a checkpoint recomputation: the forward already applied it (rule 3);
+        # Issued again by a checkpoint recomputation: the forward already applied it (replay, rule 3);
         # only the recomputation's own view moves.
         context.replay.eager_write(op, target, operand, key, pred)
         return
-    # Outside a step: eager, in place, under no_grad (rule 8).
+    # Outside a step: eager, in place, under no_grad (eager outside a step, rule 8).
     try:
         check_operand(op, target, operand, key, describe(target), origin)
     except UpdateError:
@@ -94,8 +94,8 @@ def issue(
         else (hooks.adopt_segment() if hooks.segment_probes else None)
     )
     if log is not None:
-        log.note(target)  # inside a checkpointed segment: keep the value at segment entry (rule 3)
-    if sync is not None:  # reduced across ranks before the write (rule 9)
+        log.note(target)  # inside a checkpointed segment: keep the value at segment entry (replay, rule 3)
+    if sync is not None:  # reduced across ranks before the write (distributed sync, rule 9)
         owner = owner_anywhere(target)
         name = owner[0] if owner is not None else describe(target)
         hooks.sync_backend(f"pu.{op} on {name!r} at {origin}").apply_eager(
@@ -142,7 +142,7 @@ def route(t: torch.Tensor, origin: Origin | str, op: str) -> tuple[Journal | Non
 
 
 def assign(target: torch.Tensor, value: Any, *, phase: str | None = None, sync: str | None = None) -> None:
-    """``target <- value``, in phase ``phase`` (rule 4; see the module docstring)."""
+    """``target <- value``, in phase ``phase`` (phase order, rule 4; see the module docstring)."""
     issue("assign", target, value, None, phase, sync)
 
 

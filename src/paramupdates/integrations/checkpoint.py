@@ -1,6 +1,6 @@
 """Activation checkpointing that replays updates: ``pu.checkpoint`` and ``torch.utils.checkpoint``.
 
-The semantics (rule 3 of ``docs/design.md``: a recomputed segment sees what
+The semantics (replay, rule 3 of ``docs/design.md``: a recomputed segment sees what
 its forward saw, and updates it issues again are dropped) live in the core,
 ``paramupdates.replay``. This module connects checkpointing mechanisms to it:
 
@@ -126,7 +126,7 @@ def checkpoint(
     debug: bool = False,
     **kwargs: Any,
 ) -> Any:
-    """Update-safe activation checkpointing of ``fn(*args, **kwargs)`` (rule 3).
+    """Update-safe activation checkpointing of ``fn(*args, **kwargs)`` (replay, rule 3).
 
     Forward runs ``fn`` once, keeping only its inputs; backward recomputes it
     (``torch.utils.checkpoint`` non-reentrant mode). Updates issued by ``fn``

@@ -1,4 +1,4 @@
-"""``sync="mean"`` / ``sync="sum"``: every rank commits the same value (rule 9).
+"""``sync="mean"`` / ``sync="sum"``: every rank commits the same value (distributed sync, rule 9).
 
 The rule
     A target is *synced* in a step when one of its updates in that step asks
@@ -55,7 +55,7 @@ Group and timeout
 Registered into the core as its sync backend (``hooks.register_sync_backend``):
 :class:`DistributedSync`.
 
-Outside a step (rule 8) a synced update is reduced at once: one blocking
+Outside a step (eager outside a step, rule 8) a synced update is reduced at once: one blocking
 ``all_reduce`` over the default group per update, then the in-place write;
 every rank must issue it. Without an initialised process group (one
 process), or in a group of one, sync is the identity and costs nothing.
@@ -247,7 +247,7 @@ def _divide(flat: torch.Tensor, world: int) -> torch.Tensor:
 def apply_eager(
     op: str, target: torch.Tensor, operand: Any, key: Any, cond: torch.Tensor | None, sync: str, name: str, origin: str
 ) -> None:
-    """A synced update outside a step (rule 8 with rule 9): reduce the new value now, then write it.
+    """A synced update outside a step (eager outside a step, rule 8 with distributed sync (rule 9)): reduce the new value now, then write it.
 
     One blocking ``all_reduce`` over the default group per update (the
     group's timeout applies): every rank must issue it, as any collective.

@@ -1,4 +1,4 @@
-"""Updates of tensors produced by ``torch.nn.utils.parametrize`` (rule 10).
+"""Updates of tensors produced by ``torch.nn.utils.parametrize`` (transformed parameters, rule 10).
 
 A parametrized ``module.weight`` is not stored: every read computes it from
 the originals (``module.parametrizations.weight.original``, or
@@ -13,7 +13,7 @@ of such a tensor therefore goes through the parametrizations'
     assign(original_i, originals[i], phase=phase, sync=sync)   for each i
 
 so the originals take the update in the phase given (they are usually
-trainable: ``phase="before_grad"`` or ``"after_grad"`` is required, rule 5),
+trainable: ``phase="before_grad"`` or ``"after_grad"`` is required, ambiguity is an error (rule 5)),
 and nothing is written before commit. A parametrization without
 ``right_inverse`` raises :class:`~paramupdates.UpdateError` naming the
 weight, the parametrization and the call site.

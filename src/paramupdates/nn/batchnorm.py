@@ -16,11 +16,11 @@ the increment: a cumulative average) when ``momentum=None``. ``mean_B`` and
 channel one, ``n`` the number of values per channel.
 
 The updates are auxiliary (phase ``auxiliary``: after the gradient update,
-rule 4 of ``docs/design.md``). Inside a step they are recorded and nothing is written before
-commit (rule 2); later forwards in the same step (gradient accumulation, a
+phase order (rule 4) of ``docs/design.md``). Inside a step they are recorded and nothing is written before
+commit (deferred commit, rule 2); later forwards in the same step (gradient accumulation, a
 module called twice, a checkpoint recomputation under ``pu.checkpoint``)
-read the pending statistics (rule 1). Outside a step they apply at once, in
-place, exactly like ``torch.nn.BatchNorm*d`` (rule 8).
+read the pending statistics (read-your-writes, rule 1). Outside a step they apply at once, in
+place, exactly like ``torch.nn.BatchNorm*d`` (eager outside a step, rule 8).
 
 On CPU the statistics are computed by PyTorch's own kernel (``F.batch_norm``
 on copies of the running buffers), so outputs, gradients and running
@@ -30,7 +30,7 @@ computes the same formulas with ``torch.var_mean`` (equal to rounding).
 
 ``sync_stats=True`` issues the two statistics updates with ``sync="mean"``:
 at commit every rank's pending statistics are averaged across the default
-process group (rule 9), so all ranks commit the same running statistics
+process group (distributed sync, rule 9), so all ranks commit the same running statistics
 instead of DDP's ``broadcast_buffers`` keeping rank 0's. The normalization
 itself still uses the local batch (use ``pu.nn.SyncBatchNorm`` for global
 batch statistics).
@@ -149,7 +149,7 @@ class UpdateSafeBatchNorm:
         return out, new_mean, new_var
 
     def _eager_in_place(self, input: Tensor) -> Tensor:
-        """What eager ``assign`` would do (rule 8), without its per-call cost: PyTorch's own
+        """What eager ``assign`` would do (eager outside a step, rule 8), without its per-call cost: PyTorch's own
         in-place update of the buffers. Used only when nothing could record or replay it."""
         rm, rv, nbt = self.running_mean, self.running_var, self.num_batches_tracked
         factor = 0.0 if self.momentum is None else float(self.momentum)

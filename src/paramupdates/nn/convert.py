@@ -46,7 +46,7 @@ def convert(model: nn.Module, *, sync_stats: bool = False) -> nn.Module:
     ``model`` itself is returned.
 
     ``sync_stats=True`` makes every converted module average its running
-    statistics across ranks at commit (rule 9).
+    statistics across ranks at commit (distributed sync, rule 9).
     """
     top = _replacement(model, sync_stats)
     if top is not None:

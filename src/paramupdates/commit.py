@@ -100,10 +100,11 @@ class Commit:
         self.rules: list[Rule] = []
         self.skipped = False
         self.state = "new"  # new -> begun -> checked -> stepped -> done | aborted
+        # The entries whose targets were written earlier in this commit (by a phase or a rule: what
+        # the optimizer writes is trainable, see run_phase). Rules' tensors are added only when a
+        # phase has recorded entries to classify, so rules over many tensors cost nothing here.
         self._dirty: set[int] = set()
-        # Written tensors not yet added to _dirty (None: the optimizer's parameters); added only
-        # when a phase has recorded entries to classify, so rules over many tensors cost nothing here.
-        self._dirty_pending: list[list[torch.Tensor] | None] = []
+        self._dirty_pending: list[list[torch.Tensor]] = []
         self._hidden_grads: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
 
     # ------------------------------------------------------------------
@@ -235,7 +236,6 @@ class Commit:
         """The optimizer's step is behind us (called by :meth:`run_optimizer`, or under attach by the
         optimizer's post-hook)."""
         if self.optimizer is not None:
-            self._dirty_pending.append(None)
             self.rollback.stage_done(True)
         self.journal.done_phases.add(GRAD)
         self.state = "stepped"
@@ -325,7 +325,7 @@ class Commit:
                     self._dirty_pending.append(written)
                     rb.stage_done(not rule.infallible)
         j = self.journal
-        in_phase = [(e, ps) for e in j.entries.values() if phase in (ps := e.phases())]
+        in_phase = j.by_phase.get(phase)
         if not in_phase:
             j.done_phases.add(phase)
             return
@@ -333,40 +333,59 @@ class Commit:
         fast_src: list[torch.Tensor] = []
         slow: list[Entry] = []
         self._flush_dirty()
-        grad_done = GRAD in j.done_phases
-        for e, phases in in_phase:
-            # A synced target (distributed sync, rule 9) commits its reduced value: it has one
-            # phase, is not trainable and no rule writes it (checked before).
-            if e.sync is not None or (
-                len(phases) == 1
-                and id(e.target) not in self._dirty
-                and not (phase != BEFORE_GRAD and e.trainable and grad_done)
-            ):
-                fast_dst.append(overlay.plain(e.target).detach())
-                fast_src.append(e.value.detach())  # type: ignore[union-attr]
+        dirty = self._dirty
+        later = phase != BEFORE_GRAD and GRAD in j.done_phases  # the optimizer may have written trainables
+        for e in in_phase.values():
+            # A target updated in this phase alone, that nothing wrote before, takes its pending value
+            # as is. (A synced target, rule 9, commits its reduced value: it has one phase, is not
+            # trainable and no rule writes it, as checked before.)
+            if e.sync is not None or (len(e.phases) == 1 and id(e) not in dirty and not (later and e.trainable)):
+                fast_dst.append(_raw(e))
+                fast_src.append(e.value)  # type: ignore[arg-type]
             else:
                 slow.append(e)
-        rb.protect(fast_dst + [e.target for e in slow])
+        if rb.enabled:
+            rb.protect(fast_dst + [_raw(e) for e in slow])
         with torch.no_grad():
             if fast_dst:
-                grouped = _group_tensors_by_device_and_dtype([fast_dst, fast_src])
-                for _k, ([dst, src], _) in grouped.items():
-                    torch._foreach_copy_(dst, src)
+                if len(fast_dst) == 1:
+                    fast_dst[0].copy_(fast_src[0])
+                else:
+                    grouped = _group_tensors_by_device_and_dtype([fast_dst, fast_src])
+                    for _k, ([dst, src], _) in grouped.items():
+                        torch._foreach_copy_(dst, src)
             for e in slow:
-                raw = overlay.plain(e.target).detach()
+                raw = _raw(e)
                 val: torch.Tensor = raw
                 for r in e.records:
                     if r.phase == phase:
-                        operand = r.operand.detach() if isinstance(r.operand, torch.Tensor) else r.operand
-                        val = apply_op(r.op, val, operand, r.key, r.cond)
+                        val = apply_op(r.op, val, r.operand, r.key, r.cond)
                 raw.copy_(val)
-        self._dirty.update(id(e.target) for e, _ in in_phase)
+        dirty.update(in_phase)  # (ids of entries, not targets: see _flush_dirty)
         j.done_phases.add(phase)
 
     def _flush_dirty(self) -> None:
+        """Add the entries whose targets the rules so far wrote to ``_dirty`` (as the ids of the entries)."""
+        if not self._dirty_pending:
+            return
+        entries = self.journal.entries
         for ts in self._dirty_pending:
-            self._dirty.update(self.journal.opt_ids() if ts is None else map(id, ts))
+            for t in ts:
+                e = entries.get(id(t))
+                if e is not None and e.target is t:
+                    self._dirty.add(id(e))
         self._dirty_pending.clear()
+
+
+def _raw(e: Entry) -> torch.Tensor:
+    """``e``'s target as a plain tensor to write into (made once per entry)."""
+    raw = e.raw
+    if raw is None:
+        raw = e.raw = e.target if type(e.target) in _PLAIN else overlay.plain(e.target).detach()
+    return raw
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 # --- finiteness: one batched reduction ---------------------------------------------
@@ -380,11 +399,12 @@ def _finite_flag(entries: Any) -> torch.Tensor | None:
     if not ents:
         return None
     flags = []
-    grouped = _group_tensors_by_device_and_dtype([[e.value.detach() for e in ents]])
-    for (_dev, _dt), ([ts], _) in grouped.items():
-        norms = torch._foreach_norm(ts, math.inf)
-        flags.append(torch.stack(norms).isfinite().all().cpu())
-    return torch.stack(flags).all()
+    with torch.no_grad():
+        grouped = _group_tensors_by_device_and_dtype([[e.value for e in ents]])
+        for (_dev, _dt), ([ts], _) in grouped.items():
+            norms = torch._foreach_norm(ts, math.inf)
+            flags.append(torch.stack(norms).isfinite().all().cpu())
+        return flags[0] if len(flags) == 1 else torch.stack(flags).all()
 
 
 def _nonfinite(entries: Any) -> list[Entry]:

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 
 # --- target resolvers (transformed parameters, rule 10) ---------------------------------------------
-TargetResolver = Callable[["torch.Tensor", str, Any, Any, str], "list[tuple[torch.Tensor, torch.Tensor]] | None"]
+TargetResolver = Callable[["torch.Tensor", str, Any, Any, Any], "list[tuple[torch.Tensor, torch.Tensor]] | None"]
 """``(target, op, operand, key, origin) -> [(stored tensor, new value), ...]`` when ``target`` is
 computed from stored tensors (then the update becomes ``assign``s of those), else ``None``."""
 

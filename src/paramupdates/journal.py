@@ -28,6 +28,8 @@ from .origin import Origin
 from .phases import AUXILIARY, ISSUE_PHASES, RECORD_PHASES
 from .targets import ModelIndex, TargetInfo
 
+_graph_task_id = torch._C._current_graph_task_id
+
 
 @dataclass(eq=False, slots=True)
 class Record:
@@ -51,23 +53,17 @@ class Entry:
     info: TargetInfo | None
     trainable: bool
     shows: str | None  # how reads see the pending value: overlay.PARAM, overlay.BUFFER or None
+    slots: dict[str, Any] | None = None  # overlay.BUFFER: the owning module's buffer dict (``attr`` in it)
+    attr: str = ""
     value: torch.Tensor | None = None
     records: list[Record] = field(default_factory=list)
+    phases: set[str] = field(default_factory=set)  # the phases of the records
     swapped: bool = False  # a buffer slot holds the pending value
     sync: str | None = None  # "mean"/"sum" when an update of this step asked for it (distributed sync, rule 9)
+    raw: torch.Tensor | None = None  # the target as a plain tensor, for the commit's writes
 
     def current(self) -> torch.Tensor:
         return self.target if self.value is None else self.value
-
-    _phases: frozenset[str] = frozenset()
-    _phases_n: int = 0
-
-    def phases(self) -> frozenset[str]:
-        """The phases of this entry's records (cached until a record is added)."""
-        if self._phases_n != len(self.records):
-            self._phases = frozenset(r.phase for r in self.records)
-            self._phases_n = len(self.records)
-        return self._phases
 
 
 class Journal:
@@ -81,6 +77,8 @@ class Journal:
         self.aliases: dict[int, Entry] = {}  # id(pending value) -> its entry
         self.aliases_stale = False  # set when a compiled graph installed pending values
         self.order: list[tuple[Entry, Record]] = []
+        self.by_phase: dict[str, dict[int, Entry]] = {}  # phase -> the entries with records in it
+        self.shown = False  # some pending value is shown (hide() has something to do)
         self.state = "open"  # open -> committing -> closed
         self.done_phases: set[str] = set()
         self._opt_ids: set[int] | None = None
@@ -98,9 +96,12 @@ class Journal:
             self._opt_ids = ids
         return self._opt_ids
 
-    def find(self, t: torch.Tensor, create: bool = True) -> Entry | None:
-        """The entry of target ``t`` (or of a pending value read from it)."""
-        if torch.compiler.is_compiling():
+    def find(self, t: torch.Tensor, create: bool = True, compiling: bool | None = None) -> Entry | None:
+        """The entry of target ``t`` (or of a pending value read from it); ``create``: make one for a
+        target of the model. ``compiling``: ``torch.compiler.is_compiling()``, if the caller knows it."""
+        if compiling is None:
+            compiling = torch.compiler.is_compiling()
+        if compiling:
             # id() of a pending value would make dynamo guard on it (a recompilation per step): identity
             for e in self.entries.values():
                 if e.target is t or e.value is t:
@@ -125,18 +126,28 @@ class Journal:
         info = self.index.lookup(t)
         if info is None:
             return None
-        e = Entry(t, info.name, info, self._trainable(t), overlay.shows_through(t, info.kind))
+        shows = overlay.shows_through(t, info.kind)
+        owner = info.owner if shows == overlay.BUFFER else None
+        e = Entry(
+            t,
+            info.name,
+            info,
+            self._trainable(t, compiling),
+            shows,
+            None if owner is None else owner._buffers,
+            info.attr,
+        )
         self.entries[id(t)] = e
         return e
 
-    def _trainable(self, t: torch.Tensor) -> bool:
+    def _trainable(self, t: torch.Tensor, compiling: bool) -> bool:
         """Whether the optimizer also updates ``t``: it requires grad and, when the step has an
         optimizer, is one of its parameters."""
         if not t.requires_grad:
             return False
         if self.optimizer is None:
             return True
-        if torch.compiler.is_compiling():
+        if compiling:
             support = hooks.tracing()
             if support is not None:
                 return support.in_optimizer(self.optimizer, t)
@@ -156,13 +167,20 @@ class Journal:
         sync: str | None,
         origin: Origin | str,
         fresh: bool = False,
+        compiling: bool = False,
+        new: torch.Tensor | None = None,
     ) -> None:
-        """Validate one update of ``e``'s target and make its new value pending (see the module docstring)."""
-        fn = f"pu.{op}"
+        """Validate one update of ``e``'s target and make its new value pending (see the module docstring).
+
+        ``fresh``: an internal update (``pu.nn``'s statistics) whose operand was made for it from the
+        target's own value: it is not validated again and becomes the pending value without a copy.
+        ``new``: the new value, already computed by the caller from the value it read (an internal,
+        ``fresh`` update; a ``pu.when`` condition still applies to it).
+        """
         if phase is None or phase == AUXILIARY:
             if e.trainable:
                 raise AmbiguousOrderError(
-                    f"{fn} on {e.name!r} at {origin} has no phase, but {e.name!r} is trainable "
+                    f"pu.{op} on {e.name!r} at {origin} has no phase, but {e.name!r} is trainable "
                     "(the optimizer also updates it), so the order of the two updates is ambiguous. "
                     "Pass phase='before_grad' to apply it before the gradient update, or "
                     "phase='after_grad' to apply it after."
@@ -170,62 +188,110 @@ class Journal:
             phase = AUXILIARY
         elif phase not in RECORD_PHASES:
             raise UpdateError(
-                f"{fn} on {e.name!r} at {origin}: unknown phase {phase!r}; use one of "
+                f"pu.{op} on {e.name!r} at {origin}: unknown phase {phase!r}; use one of "
                 f"{', '.join(map(repr, ISSUE_PHASES))}."
             )
         if sync is not None or e.sync is not None:
+            fn = f"pu.{op}"
             hooks.sync_backend(f"{fn} on {e.name!r} at {origin}").check_update(self, e, sync, phase, fn, origin)
-        if phase in self.done_phases:
+        if self.done_phases and phase in self.done_phases:
             raise UpdateError(
-                f"{fn} on {e.name!r} at {origin} with phase={phase!r} was issued after that phase was "
+                f"pu.{op} on {e.name!r} at {origin} with phase={phase!r} was issued after that phase was "
                 f"committed (inside optimizer.step()). Issue it before the optimizer step, or use a later phase."
             )
         replay = context.replay
         # (While dynamo traces, this is not a runtime check; a compiled forward
         # is not re-run by autograd: checkpointing inside it is a graph op.)
-        if replay is None and not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
+        if replay is None and not compiling and _graph_task_id() != -1:
             raise UpdateError(
-                f"{fn} on {e.name!r} at {origin} was issued during backward (from a hook, or from "
+                f"pu.{op} on {e.name!r} at {origin} was issued during backward (from a hook, or from "
                 "the recomputation of torch.utils.checkpoint with use_reentrant=True). Updates issued in "
                 "backward would be applied twice or out of order: issue them in forward, and use "
                 "pu.checkpoint (or torch.utils.checkpoint with use_reentrant=False) for activation "
                 "checkpointing."
             )
-        check_operand(op, e.target, operand, key, e.name, origin)
-        if replay is None and context.eager_log is None and hooks.segment_probes:
-            hooks.adopt_segment()  # inside a plain torch.utils.checkpoint segment: note its entry values (replay, rule 3)
+        if replay is None and not compiling and context.eager_log is None and hooks.segment_probes:
+            hooks.adopt_segment()  # inside a torch.utils.checkpoint segment: note its entry values (replay, rule 3)
         cond = context.conditions[-1]
         pred = cond if isinstance(cond, torch.Tensor) else None
-        if isinstance(operand, torch.Tensor):
-            operand = self.read(operand)
+        if new is not None:
+            if pred is not None:
+                new = torch.where(pred, new, overlay.plain(self.current_of(e)))
+        else:
+            if not fresh:
+                check_operand(op, e.target, operand, key, e.name, origin)
+                if isinstance(operand, torch.Tensor):
+                    operand = self.read(operand, compiling)
+                    if not e.trainable:
+                        operand = operand.detach()
+            new = apply_op(op, overlay.plain(self.current_of(e)), operand, key, pred, fresh)
             if not e.trainable:
-                operand = operand.detach()
-        old = overlay.plain(self.current_of(e))
-        new = apply_op(op, old, operand, key, pred, fresh)
-        if not e.trainable:
-            new = new.detach()
+                new = new.detach()
         if replay is not None:
             replay.set_value(self, e, new)  # issued again by a recomputation: only its view moves
             return
-        rec = Record(op, operand, key, pred, phase, sync, origin)
+        self._store(e, Record(op, operand, key, pred, phase, sync, origin), new, compiling)
+
+    def record_computed(
+        self,
+        items: list[tuple[Entry, str, Any, torch.Tensor]],
+        sync: str | None,
+        origin: Origin | str,
+        compiling: bool,
+    ) -> None:
+        """Several internal auxiliary updates whose new values the caller computed (``pu.nn``'s
+        statistics: ``(entry, op, operand, new value)``), checked together: what :meth:`record`
+        checks that does not depend on the target, once."""
+        replay = context.replay
+        if self.done_phases and AUXILIARY in self.done_phases:
+            self.record(items[0][0], "assign", items[0][3], None, None, sync, origin, True, compiling)  # raises
+        if replay is None and not compiling:
+            if _graph_task_id() != -1:
+                self.record(items[0][0], "assign", items[0][3], None, None, sync, origin, True, compiling)  # raises
+            if context.eager_log is None and hooks.segment_probes:
+                hooks.adopt_segment()  # inside a torch.utils.checkpoint segment (replay, rule 3)
+        cond = context.conditions[-1]
+        pred = cond if isinstance(cond, torch.Tensor) else None
+        for e, op, operand, new in items:
+            if e.trainable or sync is not None or e.sync is not None:
+                self.record(e, op, operand, None, None, sync, origin, True, compiling, new)  # the general path
+                continue
+            if pred is not None:
+                new = torch.where(pred, new, overlay.plain(self.current_of(e)))
+            if replay is not None:
+                replay.set_value(self, e, new)
+            else:
+                self._store(e, Record(op, operand, None, pred, AUXILIARY, None, origin), new, compiling)
+
+    def _store(self, e: Entry, rec: Record, new: torch.Tensor, compiling: bool) -> None:
+        """Keep ``rec`` and make ``new`` the pending value."""
+        phase, sync = rec.phase, rec.sync
         e.records.append(rec)
+        if phase not in e.phases:
+            e.phases.add(phase)
+            bucket = self.by_phase.get(phase)
+            if bucket is None:
+                bucket = self.by_phase[phase] = {}
+            bucket[id(e)] = e
         if sync is not None:
             e.sync = sync
         self.order.append((e, rec))
-        self.set_value(e, new)
+        self.set_value(e, new, compiling)
 
-    def set_value(self, e: Entry, new: torch.Tensor) -> None:
+    def set_value(self, e: Entry, new: torch.Tensor, compiling: bool | None = None) -> None:
         """Make ``new`` what reads of ``e``'s target return."""
         old = e.value
         e.value = new
-        if torch.compiler.is_compiling():
+        if compiling if compiling is not None else torch.compiler.is_compiling():
             self.aliases_stale = True
         else:
             if old is not None:
                 self.aliases.pop(id(old), None)
             self.aliases[id(new)] = e
-        if e.shows is not None and overlay.show(e, new, e, old):
-            e.swapped = True
+        if e.shows is not None:
+            self.shown = True
+            if overlay.show(e, new, e, old):
+                e.swapped = True
 
     def current_of(self, e: Entry) -> torch.Tensor:
         """What a read of ``e``'s target sees now: its pending value, or the value a checkpoint
@@ -235,9 +301,9 @@ class Journal:
             return replay.current(self, e)
         return e.current()
 
-    def read(self, t: torch.Tensor) -> torch.Tensor:
+    def read(self, t: torch.Tensor, compiling: bool | None = None) -> torch.Tensor:
         """The value of ``t`` as this step sees it (pending or stored), as a plain tensor."""
-        e = self.find(t, create=False)
+        e = self.find(t, False, compiling)
         if e is None:
             return overlay.plain(t)
         return overlay.plain(self.current_of(e))
@@ -247,6 +313,9 @@ class Journal:
     # ------------------------------------------------------------------
     def hide(self) -> None:
         """Stop showing pending values: module slots get their stored tensors back."""
+        if not self.shown:
+            return
+        self.shown = False
         for e in self.entries.values():
             if e.shows is not None:
                 overlay.hide(e, e.value, e)
@@ -255,7 +324,7 @@ class Journal:
     def show_pending(self) -> None:
         """Show the values still pending (those of phases not committed yet) again."""
         for e in self.entries.values():
-            if e.value is not None and e.phases() - self.done_phases:
+            if e.value is not None and e.phases - self.done_phases:
                 self.set_value(e, e.value)
 
     def discard(self) -> None:

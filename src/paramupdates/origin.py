@@ -72,12 +72,12 @@ class Origin:
         return hash(str(self))
 
 
-def capture(depth: int = 2) -> Origin | str:
+def capture(depth: int = 2, compiling: bool | None = None) -> Origin | str:
     """The call site of the first frame (from ``depth`` up) outside paramupdates and torch.
 
     Returns an :class:`Origin` (formatted when shown), or a string while dynamo traces.
     """
-    if torch.compiler.is_compiling():
+    if compiling if compiling is not None else torch.compiler.is_compiling():
         support = hooks.tracing()
         return support.call_site() if support is not None else "<compiled>"
     try:

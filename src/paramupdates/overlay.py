@@ -51,16 +51,14 @@ def plain(t: torch.Tensor) -> torch.Tensor:
 
 
 def slot(e: Entry) -> Any:
-    """What ``e``'s buffer slot holds now (``None`` when its module is gone)."""
-    owner = e.info.owner  # type: ignore[union-attr]
-    return None if owner is None else owner._buffers.get(e.info.attr)  # type: ignore[union-attr]
+    """What ``e``'s buffer slot holds now (``None`` when there is none)."""
+    return None if e.slots is None else e.slots.get(e.attr)
 
 
 def put(e: Entry, value: torch.Tensor) -> None:
-    """Put ``value`` into ``e``'s buffer slot (if its module lives)."""
-    owner = e.info.owner  # type: ignore[union-attr]
-    if owner is not None:
-        owner._buffers[e.info.attr] = value  # type: ignore[union-attr]
+    """Put ``value`` into ``e``'s buffer slot."""
+    if e.slots is not None:
+        e.slots[e.attr] = value
 
 
 def show(e: Entry, value: torch.Tensor, holder: Any, prev: torch.Tensor | None = None) -> bool:
@@ -76,10 +74,11 @@ def show(e: Entry, value: torch.Tensor, holder: Any, prev: torch.Tensor | None =
         else:
             context.pu_pending[id(e.target)] = holder
         return False
-    if e.shows == BUFFER:
-        cur = slot(e)
+    slots = e.slots
+    if slots is not None:
+        cur = slots.get(e.attr)
         if cur is e.target or (prev is not None and cur is prev):
-            put(e, value)
+            slots[e.attr] = value
             return True
     return False
 
@@ -90,5 +89,5 @@ def hide(e: Entry, value: torch.Tensor | None, holder: Any) -> None:
     if e.shows == PARAM:
         if context.pu_pending.get(id(e.target)) is holder:
             del context.pu_pending[id(e.target)]
-    elif e.shows == BUFFER and value is not None and slot(e) is value:
-        put(e, e.target)
+    elif e.slots is not None and value is not None and e.slots.get(e.attr) is value:
+        e.slots[e.attr] = e.target

@@ -342,21 +342,21 @@ class Attachment(_Owner):
             self._calls -= 1
 
     # routing -----------------------------------------------------------------
-    def route(self, t: torch.Tensor) -> tuple[Journal | None, Entry | None]:
+    def route(self, t: torch.Tensor, compiling: bool = False) -> tuple[Journal | None, Entry | None]:
         """The journal that records an update of ``t`` (opening a step if none is open)."""
         # Under dynamo the shortcut would guard on id(t) of a pending value and
         # recompile per micro-batch; traced code resolves by identity instead.
-        if not torch.compiler.is_compiling() and self._owned_elsewhere(t):
+        if not compiling and self._owned_elsewhere(t):
             return None, None
         # Between the pre- and post-hook (inside optimizer.step(), e.g. an LBFGS
         # closure) updates join the committing step and land in its later phases.
         if self.journal is not None:
-            e = self.journal.find(t)
+            e = self.journal.find(t, True, compiling)
             return (self.journal, e) if e is not None else (None, None)
         if self.index.lookup(t) is None:
             return None, None
         self.journal = Journal(self.index, self.optimizer, f"pu.attach({type(self.model).__name__})")
-        return self.journal, self.journal.find(t)
+        return self.journal, self.journal.find(t, True, compiling)
 
     def _owned_elsewhere(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is known (without rebuilding any index) to belong to another model only.

@@ -14,18 +14,24 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import hooks
+from . import hooks, overlay
 
 
 @dataclass(eq=False)
 class TargetInfo:
-    """Where a target lives: ``owner.<attr>`` is the tensor, ``name`` its qualified name."""
+    """Where a target lives: ``owner.<attr>`` is the tensor, ``name`` its qualified name.
+
+    ``shows``/``slots``: how a read sees its pending value (``overlay.shows_through``) and, for a
+    buffer, the owning module's buffer dict, where the pending value is put.
+    """
 
     ref: weakref.ref
     name: str
     owner_ref: weakref.ref
     attr: str
     kind: str  # "parameter" or "buffer"
+    shows: str | None = None
+    slots: dict | None = None
 
     @property
     def owner(self) -> nn.Module | None:
@@ -59,7 +65,9 @@ class ModelIndex:
                 for kind, table in (("parameter", mod._parameters), ("buffer", mod._buffers)):
                     for attr, t in table.items():
                         if t is not None and id(t) not in by_id:
-                            by_id[id(t)] = TargetInfo(weakref.ref(t), prefix + attr, mref, attr, kind)
+                            shows = overlay.shows_through(t, kind)
+                            slots = mod._buffers if shows == overlay.BUFFER else None
+                            by_id[id(t)] = TargetInfo(weakref.ref(t), prefix + attr, mref, attr, kind, shows, slots)
         old = self.by_id
         if by_id.keys() != old.keys() or any(
             old[k].ref() is not v.ref() or old[k].name != v.name for k, v in by_id.items()

@@ -53,7 +53,8 @@ def issue(
     cond = context.conditions[-1]
     if cond is False:
         return
-    origin = capture(depth)
+    compiling = torch.compiler.is_compiling()
+    origin = capture(depth, compiling)
     if not isinstance(target, torch.Tensor):
         raise UpdateError(
             f"pu.{op} at {origin}: the target is a {type(target).__name__}, not a tensor. "
@@ -61,15 +62,15 @@ def issue(
         )
     if hooks.target_resolvers:
         for resolve in hooks.target_resolvers.values():
-            stored = resolve(target, op, operand, key, str(origin))
+            stored = resolve(target, op, operand, key, origin)
             if stored is not None:
                 # transformed parameters (rule 10): an update of a computed tensor becomes updates of what it is computed from
                 for original, value in stored:
                     issue("assign", original, value, None, phase, sync, depth=depth + 1)
                 return
-    j, e = route(target, origin, op)
+    j, e = route(target, origin, op, compiling)
     if j is not None and e is not None:
-        j.record(e, op, operand, key, phase, sync, origin, fresh)
+        j.record(e, op, operand, key, phase, sync, origin, fresh, compiling)
         return
     pred = cond if isinstance(cond, torch.Tensor) else None  # None: unconditional
     if context.replay is not None:
@@ -105,14 +106,46 @@ def issue(
     apply_inplace(op, target, operand, key, pred)
 
 
-def route(t: torch.Tensor, origin: Origin | str, op: str) -> tuple[Journal | None, Entry | None]:
+def issue_computed(
+    updates: list[tuple[torch.Tensor, str, Any, torch.Tensor]], sync: str | None = None, depth: int = 3
+) -> None:
+    """Issue auxiliary updates whose new values the caller computed (``pu.nn``'s statistics).
+
+    ``updates``: ``(target, op, operand, new value)``, the new value computed from the value the
+    caller read (the pending one, read-your-writes); ``op`` and ``operand`` are what the schedule
+    shows and what the commit folds if the target has other updates in the step. The call site,
+    the condition and the journal are looked up once for all of them. The values are trusted:
+    made by the caller for these updates alone, of the targets' shape, dtype and device.
+    """
+    if context.conditions[-1] is False or not updates:
+        return
+    compiling = torch.compiler.is_compiling()
+    origin = capture(depth, compiling)
+    j, e = route(updates[0][0], origin, updates[0][1], compiling)
+    if j is None or e is None:  # outside a step: the eager path, with its checks
+        for target, _op, _operand, new in updates:
+            issue("assign", target, new, None, None, sync, True, depth + 1)
+        return
+    items = [(e, updates[0][1], updates[0][2], updates[0][3])]
+    for target, op, operand, new in updates[1:]:
+        other = j.find(target, True, compiling)  # the same module's: the same journal
+        if other is None:
+            issue("assign", target, new, None, None, sync, True, depth + 1)
+        else:
+            items.append((other, op, operand, new))
+    j.record_computed(items, sync, origin, compiling)
+
+
+def route(
+    t: torch.Tensor, origin: Origin | str, op: str, compiling: bool = False
+) -> tuple[Journal | None, Entry | None]:
     """The journal that records updates of target ``t``; ``(None, None)``: apply eagerly."""
     for j in reversed(context.explicit):
-        e = j.find(t)
+        e = j.find(t, True, compiling)
         if e is not None:
             return j, e
     for att in list(context.attachments):
-        j, e = att.route(t)
+        j, e = att.route(t, compiling)
         if e is not None:
             return j, e
     if context.explicit:

@@ -4,7 +4,7 @@
 subclasses of their ``torch.nn`` counterparts: same constructor arguments,
 same parameters, buffers and ``state_dict`` keys, same outputs and gradients.
 Only the way the running statistics change differs. In train mode with
-``track_running_stats=True`` a forward issues, under ``pu.when(self.training)``:
+``track_running_stats=True`` a forward issues (in the ``pu.when`` conditions in force):
 
 * ``num_batches_tracked <- num_batches_tracked + 1``
 * ``running_mean <- (1 - a) * running_mean + a * mean_B(x)``
@@ -45,8 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import context, hooks
-from ..conditions import when
-from ..updates import assign, assign_add, assign_fresh
+from ..updates import assign, issue_computed
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "UpdateSafeBatchNorm"]
 
@@ -107,34 +106,42 @@ class UpdateSafeBatchNorm:
             assign(self.num_batches_tracked, 0)
 
     # ------------------------------------------------------------------
-    def _factor(self) -> float:
-        """Issue the counter update; return the averaging factor ``a``."""
-        if self.num_batches_tracked is not None:
-            assign_add(self.num_batches_tracked, 1)
-            if self.momentum is None:
-                # the pending (incremented) count: read-your-writes through the buffer slot
-                return 1.0 / float(self.num_batches_tracked)
-        return 0.0 if self.momentum is None else float(self.momentum)
-
     def _sync(self) -> str | None:
         return "mean" if self.sync_stats else None
 
-    def _train_with_stats(self, input: Tensor, factor: float) -> Tensor:
-        """Normalize with the batch statistics and issue the running-statistics updates."""
-        rm, rv = self.running_mean, self.running_var
+    def _train_with_stats(self, input: Tensor) -> Tensor:
+        """Normalize with the batch statistics and issue the three running-statistics updates."""
+        rm, rv, nbt = self.running_mean, self.running_var, self.num_batches_tracked  # pending values (rule 1)
         assert rm is not None and rv is not None
+        factor = 0.0 if self.momentum is None else float(self.momentum)
+        counted: list[tuple[Tensor, str, Any, Tensor]] = []
+        if nbt is not None:
+            new_nbt = nbt + 1
+            counted.append((nbt, "assign_add", 1, new_nbt))
+            if self.momentum is None:
+                # the cumulative average uses the incremented count (as a pu.when condition leaves it)
+                cond = context.conditions[-1]
+                seen = torch.where(cond, new_nbt, nbt) if isinstance(cond, Tensor) else new_nbt
+                factor = 1.0 / float(seen)
         if _under_functorch():
             out, new_mean, new_var = self._functional_stats(input, rm, rv, factor)
         else:
-            # PyTorch's kernel updates copies of the running buffers in place;
-            # the copies become the pending values (bitwise torch's result).
-            new_mean = rm.clone()
-            new_var = rv.clone()
-            out = F.batch_norm(input, new_mean, new_var, self.weight, self.bias, True, factor, self.eps)
+            new_mean, new_var, out = self._batch_stats(input, rm, rv, factor)
         sync = self._sync()
-        assign_fresh(rm, new_mean, sync=sync)  # made above for this update alone: no defensive copy
-        assign_fresh(rv, new_var, sync=sync)
+        if sync is None:
+            issue_computed([*counted, (rm, "assign", new_mean, new_mean), (rv, "assign", new_var, new_var)])
+        else:  # the statistics are synced across ranks; the counter is not (every rank counts alike)
+            issue_computed(counted)
+            issue_computed([(rm, "assign", new_mean, new_mean), (rv, "assign", new_var, new_var)], sync)
         return out
+
+    def _batch_stats(self, input: Tensor, rm: Tensor, rv: Tensor, factor: float) -> tuple[Tensor, Tensor, Tensor]:
+        """PyTorch's kernel updates copies of the running buffers in place; the copies become the
+        pending values (bitwise torch's result)."""
+        new_mean = rm.clone()
+        new_var = rv.clone()
+        out = F.batch_norm(input, new_mean, new_var, self.weight, self.bias, True, factor, self.eps)
+        return new_mean, new_var, out
 
     def _functional_stats(self, input: Tensor, rm: Tensor, rv: Tensor, factor: float) -> tuple[Tensor, Tensor, Tensor]:
         """Out-of-place statistics for ``torch.func`` (vmap cannot write into unbatched copies)."""
@@ -166,9 +173,7 @@ class UpdateSafeBatchNorm:
         if self.training and self.track_running_stats:
             if _nothing_records() and not (self.sync_stats and hooks.sync_active()):
                 return self._eager_in_place(input)
-            with when(self.training):
-                factor = self._factor()
-                return self._train_with_stats(input, factor)
+            return self._train_with_stats(input)
         # train mode without tracking, or eval mode: nothing is updated
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
         use_buffers = not self.training
@@ -269,19 +274,17 @@ class SyncBatchNorm(UpdateSafeBatchNorm, nn.SyncBatchNorm):
         world = dist.get_world_size(group)
         return (group, world) if world > 1 else None
 
-    def _train_with_stats(self, input: Tensor, factor: float) -> Tensor:
+    def _batch_stats(self, input: Tensor, rm: Tensor, rv: Tensor, factor: float) -> tuple[Tensor, Tensor, Tensor]:
+        """With more than one rank: the batch statistics of every rank's batch, by PyTorch's own
+        ``SyncBatchNorm`` function on copies of the running buffers."""
         world = self._world()
         if world is None:
-            return super()._train_with_stats(input, factor)
+            return super()._batch_stats(input, rm, rv, factor)
         from torch.nn.modules._functions import SyncBatchNorm as _SyncFn
 
-        rm, rv = self.running_mean, self.running_var
-        assert rm is not None and rv is not None
         new_mean, new_var = rm.clone(), rv.clone()
         out = _SyncFn.apply(input, self.weight, self.bias, new_mean, new_var, self.eps, factor, world[0], world[1])
-        assign_fresh(rm, new_mean, sync=self._sync())
-        assign_fresh(rv, new_var, sync=self._sync())
-        return out
+        return new_mean, new_var, out
 
     def forward(self, input: Tensor) -> Tensor:  # noqa: D102 - see class docstring
         self._check_non_zero_input_channels(input)

@@ -253,3 +253,26 @@ def test_a_second_fit_works_and_continues():
     _fit(model, [cb])  # a new Trainer: on_fit_start attaches again (the first attachment was detached)
     assert cb.attachments[0] is not first and not pu._state.attachments
     assert rule_of(model.ema).updates == 12 and int(model.net[1].num_batches_tracked) == 12
+
+
+class SelfAttaching(Lit):
+    """Manual optimization that attaches itself to ``self.optimizers()``, a LightningOptimizer."""
+
+    def on_fit_start(self):
+        self.att = pu.attach(self, self.optimizers())
+
+    def on_fit_end(self):
+        self.att.detach()
+
+
+@CORE_CLOSURE
+def test_attach_unwraps_the_lightning_optimizer():
+    """Wanted: pu.attach(model, lightning_optimizer) attaches to its .optimizer, the torch optimizer that
+    Lightning's strategy steps. On main the attachment holds the wrapper itself."""
+    ref = Lit(opt="adamw", wd=0.1, manual=True)
+    _fit(ref)
+    ours = SelfAttaching(opt="adam", pu_wd=0.1, convert=True, manual=True)
+    trainer = _fit(ours)
+    assert_same(_state(ref), _state(ours))
+    assert ours.att.steps == 6
+    assert ours.att.optimizer is trainer.optimizers[0]

@@ -411,3 +411,30 @@ def test_a_copy_cast_after_declaration_is_still_an_error_with_dtype():
             m(torch.randn(2, 3)).sum().backward()
     with pytest.raises(TypeError, match="floating"):
         pu.ema(m, 0.5, dtype=torch.int32)
+
+
+def test_copy_on_another_device_is_averaged_there():
+    """device=: the model's tensors are copied to the copy's device each commit (CPU here: the meta device
+    stands in for another device; the values are checked on CUDA below where there is one)."""
+    m = _bn_net()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    elsewhere = pu.ema(m, 0.9, device="meta", dtype=torch.float64)
+    assert {t.device.type for t in elsewhere.state_dict().values()} == {"meta"}
+    assert elsewhere[0].weight.dtype == torch.float64 and elsewhere[1].num_batches_tracked.dtype == torch.int64
+    _steps(m, opt, _data(2))
+    assert rule_of(elsewhere).updates == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: a CPU average of a GPU model")
+def test_cpu_average_of_a_cuda_model_equals_the_average_on_the_gpu():
+    m = _bn_net().cuda()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    on_cpu = pu.ema(m, 0.9, device="cpu")
+    on_gpu = pu.ema(m, 0.9)
+    _steps(m, opt, [x.cuda() for x in _data(3)])
+    assert on_cpu[0].weight.device.type == "cpu" and on_cpu.pu_ema_updates.device.type == "cpu"
+    for (k, a), b in zip(on_cpu.state_dict().items(), on_gpu.state_dict().values()):
+        if a.is_floating_point():  # the same lerp on two devices: equal up to rounding (FMA on the GPU)
+            torch.testing.assert_close(a, b.cpu(), rtol=1e-6, atol=1e-6, msg=k)
+        else:
+            assert torch.equal(a, b.cpu()), k

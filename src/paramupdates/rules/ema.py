@@ -148,8 +148,6 @@ class EMA(Rule):
         src: list[torch.Tensor] = []
         dst: list[torch.Tensor] = []
         avg: list[bool] = []
-        want: list[tuple[torch.dtype, torch.device]] = []  # what each copy tensor must be (checked at commit)
-        recast = dtype is not None or device is not None
         for kind in ("parameters", "buffers"):
             a = dict(getattr(model, f"named_{kind}")())
             b = dict(getattr(module, f"named_{kind}")())
@@ -159,13 +157,14 @@ class EMA(Rule):
                 dst.append(b[name])
                 floating = t.is_floating_point() or t.is_complex()
                 avg.append(floating and (kind == "parameters" or include_buffers))
-                # declared with dtype=/device=: the copy as made then; otherwise: as the model
-                want.append((b[name].dtype, b[name].device) if recast else (t.dtype, t.device))
         self.names = names
         self._src = src  # strong: the rule ends with the model (alive()), not with its tensors
         self._dst = dst
         self._avg = avg
-        self._want = want
+        # declared with dtype=/device=: the copy's floats stay in that dtype, the copy on that device
+        # (normalized: "cuda" -> "cuda:0"); otherwise the copy must be as the model is at each commit
+        self._dtype = dtype
+        self._device = next(iter(dst)).device if device is not None and dst else device
         self._sub = has_subclass(src) or has_subclass(dst)
         self._pairs = src + dst  # what check() keys on
         self._key: tuple | None = None
@@ -259,7 +258,9 @@ class EMA(Rule):
 
     def _build(self) -> None:
         with no_subclass():
-            for name, s, d, (dtype, device) in zip(self.names, self._src, self._dst, self._want):
+            for name, s, d in zip(self.names, self._src, self._dst):
+                dtype = self._dtype if self._dtype is not None and s.is_floating_point() else s.dtype
+                device = self._device if self._device is not None else s.device
                 if s.shape != d.shape or d.dtype != dtype or d.device != device:
                     expect = where(s) if (dtype, device) == (s.dtype, s.device) else (
                         f"{device}/{str(dtype).removeprefix('torch.')}/{tuple(s.shape)} (as declared)"

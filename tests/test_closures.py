@@ -1,13 +1,8 @@
-"""Optimizers called with a closure, LR schedulers and optimizer wrappers, against the real thing.
+"""Closures (``optimizer.step(closure)``): the commit begins after the closure's first call, when this
+step's gradients exist; and ``attach``'s wrapper of ``optimizer.step`` is what LR schedulers expect.
 
-The closure tests wait for the core (issue 12's commit driver): ``before_grad`` rules and the
-gradient-dependent choices (which parameters weight decay decays: those with a gradient) must run
-after the closure has computed the gradients. On main the step pre-hook runs them before the
-closure: nothing is decayed on step 1, and later steps decay by the previous step's gradients.
+``docs/design.md``, "Closures" and "attach wraps optimizer.step".
 """
-
-import copy
-import warnings
 
 import pytest
 import torch
@@ -17,16 +12,224 @@ import paramupdates as pu
 
 from conftest import assert_same, snapshot
 
-CORE = pytest.mark.xfail(strict=True, reason="core: issue 12 commit driver")
-LR, WD = 0.05, 0.1
+CORE = pytest.mark.xfail(strict=True, reason="core: attach unwraps optimizer wrappers (issue 17, core part)")
 
 
 def _net():
     torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def _batches(n=5):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(16, 4, generator=g) for _ in range(n)]
+
+
+def _train(m, opt, mode, batches):
+    att = pu.attach(m, opt) if mode == "attach" else None
+    stepper = pu.Stepper(m, opt) if mode == "stepper" else None
+    for x in batches:
+
+        def closure(x=x):
+            opt.zero_grad()
+            loss = m(x).square().mean()
+            loss.backward()
+            return loss
+
+        if mode == "step":
+            with pu.step(m, opt, closure=closure):
+                pass
+        elif mode == "stepper":
+            with stepper.step(closure):
+                pass
+        else:
+            opt.step(closure)
+    if att is not None:
+        att.detach()
+    return snapshot(m)
+
+
+@pytest.mark.parametrize("mode", ["step", "stepper", "attach"])
+def test_adam_plus_weight_decay_with_a_closure_is_adamw_bitwise(mode):
+    """The decay sees this step's gradients (which parameters have one) and comes before the Adam update,
+    as in AdamW: also on the first step, when no gradient existed before the closure ran."""
+    ref = _net()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.1)
+    want = _train(ref, ref_opt, "plain", _batches())
+    m = _net()
+    opt = torch.optim.Adam(m.parameters(), lr=0.01)
+    pu.weight_decay(m, 0.1, exclude=None)
+    assert_same(want, _train(m, opt, mode, _batches()))
+
+
+@pytest.mark.parametrize("mode", ["step", "attach"])
+def test_sgd_with_a_closure_decays_before_the_update(mode):
+    def reference():
+        ref = _net()
+        for x in _batches():
+            for p in ref.parameters():
+                p.grad = None
+            ref(x).square().mean().backward()
+            with torch.no_grad():
+                for p in ref.parameters():
+                    if p.ndim > 1:
+                        p.mul_(1 - 0.1 * 0.05)
+                    p.add_(p.grad, alpha=-0.1)
+        return snapshot(ref)
+
+    m = _net()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    pu.weight_decay(m, 0.05)
+    assert_same(reference(), _train(m, opt, mode, _batches()))
+
+
+def test_lbfgs_decays_once_per_step_after_the_first_closure_call():
+    """LBFGS calls the closure several times per step; the decay runs once, after the first call."""
+
+    def run(with_pu):
+        m = _net()
+        opt = torch.optim.LBFGS(m.parameters(), lr=0.5, max_iter=4)
+        if with_pu:
+            pu.weight_decay(m, 0.1, scale_by_lr=False)
+            pu.attach(m, opt)
+        calls = []
+        for x in _batches(3):
+            first = [True]
+
+            def closure(x=x, first=first):
+                opt.zero_grad()
+                loss = m(x).square().mean()
+                loss.backward()
+                calls.append(1)
+                if not with_pu and first[0]:  # the hand-written equivalent
+                    first[0] = False
+                    with torch.no_grad():
+                        for p in m.parameters():
+                            if p.ndim > 1:
+                                p.mul_(1 - 0.1)
+                return loss
+
+            opt.step(closure)
+        pu.testing.reset()
+        return snapshot(m), len(calls)
+
+    (want, n_ref), (got, n) = run(False), run(True)
+    assert n == n_ref > 3  # the closure really ran several times per step
+    assert_same(want, got)
+
+
+class CountingNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        pu.assign_add(self.calls, 1)
+        return self.lin(x)
+
+
+def test_updates_issued_in_the_closure_join_the_step_and_later_calls_read_them():
+    m = CountingNet()
+    opt = torch.optim.LBFGS(m.parameters(), lr=0.1, max_iter=3)
+    seen = []
+
+    def closure():
+        opt.zero_grad()
+        loss = m(torch.ones(2, 4)).sum()
+        seen.append(int(m.calls))  # read-your-writes inside the step
+        loss.backward()
+        return loss
+
+    with pu.step(m, opt, closure=closure) as s:
+        pass
+    assert seen == list(range(1, len(seen) + 1)) and len(seen) > 1
+    assert int(m.calls) == len(seen)
+    assert [r.op for r in s.schedule() if r.target == "calls"] == ["assign_add"] * len(seen)
+
+
+def test_skip_under_a_closure_drops_the_whole_step():
+    m = _net()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    before = snapshot(m)
+
+    def closure():
+        opt.zero_grad()
+        loss = m(torch.randn(2, 4)).sum()
+        loss.backward()
+        pu.assign(m[0].weight, float("nan"), phase="after_grad")
+        return loss
+
+    with pu.step(m, opt, closure=closure, on_nonfinite="skip") as s:
+        pass
+    assert s.skipped and s.skipped_steps == 1
+    assert_same(before, snapshot(m))
+    assert m[0].weight.grad is not None  # the gradients are back after the step
+
+
+def test_an_optimizer_that_ignores_the_closure_is_an_error_and_nothing_is_committed():
+    class Ignores(torch.optim.SGD):
+        def step(self, closure=None):
+            return super().step()
+
+    m = CountingNet()
+    opt = Ignores(m.parameters(), lr=0.1)
+    with pytest.raises(pu.UpdateError, match="without calling the closure"):
+        with pu.step(m, opt, closure=lambda: None):
+            m(torch.ones(1, 4)).sum().backward()
+    assert int(m.calls) == 0
+
+
+@pytest.mark.parametrize("order", ["scheduler first", "attach first"])
+def test_lr_scheduler_before_or_after_attach(order):
+    """torch.optim.lr_scheduler wraps ``opt.step.__func__``: attach's wrapper is a bound method."""
+
+    def run(attach):
+        m = _net()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        pu.weight_decay(m, 0.1)
+        att = pu.attach(m, opt) if attach and order == "attach first" else None
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        if attach and order == "scheduler first":
+            att = pu.attach(m, opt)
+        lrs = []
+        for x in _batches(3):
+            opt.zero_grad()
+            m(x).square().mean().backward()
+            if not attach:  # the hand-written decoupled decay
+                with torch.no_grad():
+                    for p in m.parameters():
+                        if p.ndim > 1:
+                            p.mul_(1 - opt.param_groups[0]["lr"] * 0.1)
+            opt.step()
+            sched.step()
+            lrs.append(opt.param_groups[0]["lr"])
+        if att is not None:
+            att.detach()
+        opt.step()  # (after detach: the plain step)
+        pu.testing.reset()
+        return snapshot(m), lrs
+
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()" warning
+        (want, lrs_ref), (got, lrs) = run(False), run(True)
+    assert lrs == lrs_ref == [0.05, 0.025, 0.0125]
+    assert_same(want, got)
+
+
+# --- every driver x SGD (momentum) / Adam / LBFGS, against AdamW or the hand-written decay (issue 17) ---
+
+LR, WD = 0.05, 0.1
+
+
+def _net17():
+    torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 1))
 
 
-def _batches(n=4):
+def _batches17(n=4):
     g = torch.Generator().manual_seed(1)
     return [(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(n)]
 
@@ -63,7 +266,11 @@ def _state(m, opt):
     """The model and the optimizer state, by position (not by parameter id), bitwise."""
     out = snapshot(m)
     for i, st in opt.state_dict()["state"].items():
-        out += [(f"opt.{i}.{k}", v.detach().clone() if torch.is_tensor(v) else v) for k, v in st.items()]
+        for k, v in st.items():
+            if isinstance(v, list | tuple):  # LBFGS: its history of directions and steps
+                out += [(f"opt.{i}.{k}.{j}", t.detach().clone() if torch.is_tensor(t) else t) for j, t in enumerate(v)]
+            else:
+                out.append((f"opt.{i}.{k}", v.detach().clone() if torch.is_tensor(v) else v))
     return out
 
 
@@ -71,12 +278,14 @@ def _optimizer(kind, params, reference):
     if kind == "sgd":
         return torch.optim.SGD(params, lr=LR, momentum=0.9)
     if kind == "adam":
-        return (torch.optim.AdamW if reference else torch.optim.Adam)(params, lr=LR, weight_decay=WD if reference else 0)
+        return (torch.optim.AdamW if reference else torch.optim.Adam)(
+            params, lr=LR, weight_decay=WD if reference else 0
+        )
     return torch.optim.LBFGS(params, lr=LR, max_iter=3)
 
 
 def _reference(kind, data):
-    m = _net()
+    m = _net17()
     opt = _optimizer(kind, m.parameters(), reference=True)
     for x, y in data:
         closure = _closure(m, opt, x, y)
@@ -84,15 +293,14 @@ def _reference(kind, data):
     return _state(m, opt)
 
 
-@CORE
 @pytest.mark.parametrize("kind", ["sgd", "adam", "lbfgs"])
 @pytest.mark.parametrize("driver", ["attach", "pu.step", "Stepper", "Stepper.step"])
 def test_weight_decay_with_a_closure_equals_the_reference(kind, driver):
     """Adam + pu.weight_decay == AdamW bitwise with opt.step(closure); SGD and LBFGS: decoupled decay
     right after the closure's first evaluation."""
-    data = _batches()
+    data = _batches17()
     expect = _reference(kind, data)
-    m = _net()
+    m = _net17()
     opt = _optimizer(kind, m.parameters(), reference=False)
     pu.weight_decay(m, WD, exclude=None)
     att = pu.attach(m, opt) if driver == "attach" else None
@@ -114,66 +322,6 @@ def test_weight_decay_with_a_closure_equals_the_reference(kind, driver):
         assert att.steps == len(data)
 
 
-def test_without_a_closure_weight_decay_already_equals_adamw():
-    """The contrast: gradients computed before opt.step() (today's path) give AdamW bitwise."""
-    data = _batches()
-    ref = _net()
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
-    m = _net()
-    opt = torch.optim.Adam(m.parameters(), lr=LR)
-    pu.weight_decay(m, WD, exclude=None)
-    pu.attach(m, opt)
-    for x, y in data:
-        _closure(ref, ref_opt, x, y)()
-        ref_opt.step()
-        _closure(m, opt, x, y)()
-        opt.step()
-    assert_same(_state(ref, ref_opt), _state(m, opt))
-
-
-# --- LR schedulers -------------------------------------------------------------------------
-
-
-def _scheduled_run(order):
-    """StepLR created before or after pu.attach (or without pu); returns the state and the lrs."""
-    m = _net()
-    opt = torch.optim.SGD(m.parameters(), lr=LR, momentum=0.9)
-    if order == "before":
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    att = pu.attach(m, opt) if order in ("before", "after") else None
-    if order in ("after", "none"):
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    lrs = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # "lr_scheduler.step() before optimizer.step()" and friends
-        for x, y in _batches():
-            _closure(m, opt, x, y)()
-            opt.step()
-            sched.step()
-            lrs.append(opt.param_groups[0]["lr"])
-    if att is not None:
-        assert att.steps == 4
-        att.detach()
-    return _state(m, opt), lrs
-
-
-def test_scheduler_created_before_attach():
-    ref, ref_lrs = _scheduled_run("none")
-    got, lrs = _scheduled_run("before")
-    assert_same(ref, got)
-    assert lrs == ref_lrs == [LR * 0.5**k for k in range(1, 5)]
-
-
-@CORE
-def test_scheduler_created_after_attach():
-    """On main: AttributeError: 'function' object has no attribute '__func__' from torch.optim.lr_scheduler
-    (attach replaced optimizer.step by a plain function; the scheduler wraps a bound method)."""
-    ref, ref_lrs = _scheduled_run("none")
-    got, lrs = _scheduled_run("after")
-    assert_same(ref, got)
-    assert lrs == ref_lrs
-
-
 # --- optimizer wrappers without hooks ---------------------------------------------------------
 
 
@@ -190,12 +338,11 @@ class Unhookable:
 
 @CORE
 def test_a_wrapper_without_step_hooks_is_refused_with_update_error():
-    """On main: AttributeError ('register_step_pre_hook'). Wanted: UpdateError naming the wrapper and the fix."""
-    m = _net()
+    """Today: AttributeError ('register_step_pre_hook'). Wanted: UpdateError naming the wrapper and the fix."""
+    m = _net17()
     wrapper = Unhookable(torch.optim.SGD(m.parameters(), lr=LR))
     before = snapshot(m)
     with pytest.raises(pu.UpdateError, match="Unhookable"):
         pu.attach(m, wrapper)
-    assert not pu._state.attachments
+    assert not pu.context.attachments
     assert_same(before, snapshot(m))
-    copy.deepcopy(m)  # nothing half-attached

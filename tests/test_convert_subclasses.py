@@ -38,7 +38,9 @@ class Tagged(nn.BatchNorm2d):
 
 def _net():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 4, 3), NormAct(4), nn.Conv2d(4, 4, 1), Tagged(4), nn.Flatten(), nn.Linear(4 * 16, 2))
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3), NormAct(4), nn.Conv2d(4, 4, 1), Tagged(4), nn.Flatten(), nn.Linear(4 * 16, 2)
+    )
 
 
 def _x():
@@ -50,7 +52,9 @@ def test_subclass_with_its_own_forward_is_left_alone_with_a_warning():
     net = _net()
     ref = copy.deepcopy(net)
     x = _x()
-    with pytest.warns(pu.nn.ConvertWarning, match=r"^pu.convert: 1 \(.*NormAct\) is a BatchNorm2d whose forward is its own"):
+    with pytest.warns(
+        pu.nn.ConvertWarning, match=r"^pu.convert: 1 \(.*NormAct\) is a BatchNorm2d whose forward is its own"
+    ):
         pu.convert(net)
     assert type(net[1]) is NormAct  # left alone
     assert type(net[3]) is pu.nn.BatchNorm2d  # forward unchanged: converted

@@ -64,7 +64,7 @@ def _reference_ema(m, opt, decay, data, k):
     """Hand-written: accumulate k micro-batches, step, then average once."""
     avg = [t.detach().clone() for t in m.parameters()]
     for i in range(0, len(data), k):
-        for x in data[i: i + k]:
+        for x in data[i : i + k]:
             m(x).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
@@ -85,7 +85,7 @@ def test_gradient_accumulation_averages_once_per_optimizer_update(how):
     averaged = pu.ema(m, 0.8)
     att = pu.attach(m, opt) if how == "attach" else None
     for i in range(0, 6, 3):
-        micro = data[i: i + 3]
+        micro = data[i : i + 3]
         if how == "one_step":
             with pu.step(m, opt):
                 for x in micro:
@@ -164,8 +164,7 @@ def test_resume_is_bitwise_identical(how):
 
     # a fresh process: same declarations, then load
     torch.manual_seed(123)
-    for att in list(pu._state.attachments):
-        att.detach()
+    pu.testing.reset()
     m2 = _bn_net()
     opt2 = torch.optim.Adam(m2.parameters(), lr=0.01)
     pu.weight_decay(m2, 0.01)

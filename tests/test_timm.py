@@ -34,8 +34,10 @@ def test_converted_timm_model_equals_timm_bitwise(timm, name):
     with warnings.catch_warnings():
         warnings.simplefilter("error", pu.nn.ConvertWarning)  # every batch norm has a converter
         pu.convert(net)
-    assert not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(m, pu.nn.UpdateSafeBatchNorm)
-                   for m in net.modules())
+    assert not any(
+        isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(m, pu.nn.UpdateSafeBatchNorm)
+        for m in net.modules()
+    )
     assert sum(type(m) is pu.nn.timm_layers.BatchNormAct2d for m in net.modules()) == n_act
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 3, 32, 32, generator=g)
@@ -65,8 +67,10 @@ def test_timm_sync_batchnorm_act_is_converted_too(timm):
     net = pu.convert(copy.deepcopy(ref))
     kinds = {type(m) for m in net.modules()}
     assert pu.nn.timm_layers.SyncBatchNormAct in kinds
-    assert isinstance(next(m for m in net.modules() if type(m) is pu.nn.timm_layers.SyncBatchNormAct),
-                      timm.layers.norm_act.SyncBatchNormAct)
+    assert isinstance(
+        next(m for m in net.modules() if type(m) is pu.nn.timm_layers.SyncBatchNormAct),
+        timm.layers.norm_act.SyncBatchNormAct,
+    )
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(2))
     ref.train()
     net.train()

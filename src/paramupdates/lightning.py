@@ -45,9 +45,9 @@ How Lightning drives the optimizer, and what that means here (Lightning 2.x):
   with a closure that runs ``training_step``, ``zero_grad`` (first micro-batch
   only), ``backward``, ``on_before_optimizer_step`` and gradient clipping. So
   the forward, its updates and the gradients all happen *inside*
-  ``optimizer.step``: the updates join the step being committed, and rules
-  that depend on gradients (weight decay decays the parameters that have one)
-  need the core to run ``before_grad`` after the closure.
+  ``optimizer.step``: the commit begins after the closure's first call (the
+  gradients exist, so weight decay decays the parameters that have one), and
+  the updates the forward issued join that step.
 * ``accumulate_grad_batches=N``: the first ``N - 1`` micro-batches run the
   closure without ``optimizer.step``; their updates are pending (a step opens
   at the first one) and commit with the ``N``-th, whose ``optimizer.step``
@@ -139,7 +139,9 @@ class ParamUpdates(pl.Callback):
             try:
                 m = pl_module.get_submodule(name)
             except AttributeError as e:
-                raise UpdateError(f"ParamUpdates(modules=...): {type(pl_module).__name__} has no submodule {name!r} ({e})") from e
+                raise UpdateError(
+                    f"ParamUpdates(modules=...): {type(pl_module).__name__} has no submodule {name!r} ({e})"
+                ) from e
             out.append(m)
         return out
 

@@ -13,9 +13,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn.utils.parametrize import ParametrizationList
 
-from .integrations.parametrize import track as track_parametrization
+from . import hooks
 
 
 @dataclass(eq=False)
@@ -27,10 +26,6 @@ class TargetInfo:
     owner_ref: weakref.ref
     attr: str
     kind: str  # "parameter" or "buffer"
-
-    @property
-    def tensor(self) -> torch.Tensor | None:
-        return self.ref()
 
     @property
     def owner(self) -> nn.Module | None:
@@ -55,9 +50,10 @@ class ModelIndex:
         model = self.model
         by_id: dict[int, TargetInfo] = {}
         if model is not None:
+            visitors = list(hooks.module_visitors.values())
             for mod_name, mod in model.named_modules(remove_duplicate=True):
-                if isinstance(mod, ParametrizationList):
-                    track_parametrization(mod, mod_name)  # rule 10: recognise its outputs
+                for visit in visitors:
+                    visit(mod, mod_name)  # e.g. transformed parameters (rule 10): recognise a parametrization's outputs
                 prefix = f"{mod_name}." if mod_name else ""
                 mref = weakref.ref(mod)
                 for kind, table in (("parameter", mod._parameters), ("buffer", mod._buffers)):
@@ -96,15 +92,6 @@ class ModelIndex:
     def name_of(self, t: torch.Tensor) -> str | None:
         info = self.lookup(t)
         return None if info is None else info.name
-
-    def tensors(self) -> list[torch.Tensor]:
-        """Every owned tensor, in module-tree order."""
-        out = []
-        for info in self.by_id.values():
-            t = info.ref()
-            if t is not None:
-                out.append(t)
-        return out
 
     def peek(self, t: torch.Tensor) -> TargetInfo | None:
         """The info of ``t`` from the index as last built (no rebuild on a miss)."""

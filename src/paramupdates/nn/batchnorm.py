@@ -16,11 +16,11 @@ the increment: a cumulative average) when ``momentum=None``. ``mean_B`` and
 channel one, ``n`` the number of values per channel.
 
 The updates are auxiliary (phase ``auxiliary``: after the gradient update,
-rule 4). Inside a step they are recorded and nothing is written before
-commit (rule 2); later forwards in the same step (gradient accumulation, a
+phase order (rule 4) of ``docs/design.md``). Inside a step they are recorded and nothing is written before
+commit (deferred commit, rule 2); later forwards in the same step (gradient accumulation, a
 module called twice, a checkpoint recomputation under ``pu.checkpoint``)
-read the pending statistics (rule 1). Outside a step they apply at once, in
-place, exactly like ``torch.nn.BatchNorm*d`` (rule 8).
+read the pending statistics (read-your-writes, rule 1). Outside a step they apply at once, in
+place, exactly like ``torch.nn.BatchNorm*d`` (eager outside a step, rule 8).
 
 On CPU the statistics are computed by PyTorch's own kernel (``F.batch_norm``
 on copies of the running buffers), so outputs, gradients and running
@@ -30,7 +30,7 @@ computes the same formulas with ``torch.var_mean`` (equal to rounding).
 
 ``sync_stats=True`` issues the two statistics updates with ``sync="mean"``:
 at commit every rank's pending statistics are averaged across the default
-process group (rule 9), so all ranks commit the same running statistics
+process group (distributed sync, rule 9), so all ranks commit the same running statistics
 instead of DDP's ``broadcast_buffers`` keeping rank 0's. The normalization
 itself still uses the local batch (use ``pu.nn.SyncBatchNorm`` for global
 batch statistics).
@@ -44,10 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import _state, conditions
+from .. import context, hooks
 from ..conditions import when
-from ..integrations.checkpoint import _torch_checkpoint_frame
-from ..integrations.distributed import is_distributed
 from ..updates import assign, assign_add, assign_fresh
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "UpdateSafeBatchNorm"]
@@ -56,13 +54,13 @@ __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "Update
 def _nothing_records() -> bool:
     """True when an update issued now would simply apply in place: no step, attachment,
     condition, checkpoint segment, recomputation, transform or compilation is active."""
-    if _state.explicit or _state.attachments or _state.replay is not None or _state.eager_log is not None:
+    if context.explicit or context.attachments or context.replay is not None or context.eager_log is not None:
         return False
-    if conditions.current() is not None or torch.compiler.is_compiling():
+    if context.conditions[-1] is not None or torch.compiler.is_compiling():
         return False
     if torch._C._functorch.maybe_current_level() is not None:
         return False
-    return _torch_checkpoint_frame() is None
+    return not hooks.in_segment()
 
 
 def _under_functorch() -> bool:
@@ -151,7 +149,7 @@ class UpdateSafeBatchNorm:
         return out, new_mean, new_var
 
     def _eager_in_place(self, input: Tensor) -> Tensor:
-        """What eager ``assign`` would do (rule 8), without its per-call cost: PyTorch's own
+        """What eager ``assign`` would do (eager outside a step, rule 8), without its per-call cost: PyTorch's own
         in-place update of the buffers. Used only when nothing could record or replay it."""
         rm, rv, nbt = self.running_mean, self.running_var, self.num_batches_tracked
         factor = 0.0 if self.momentum is None else float(self.momentum)
@@ -166,7 +164,7 @@ class UpdateSafeBatchNorm:
         """As ``torch.nn.BatchNorm*d.forward``; running statistics change through assign."""
         self._check_input_dim(input)  # type: ignore[attr-defined]
         if self.training and self.track_running_stats:
-            if _nothing_records() and not (self.sync_stats and is_distributed()):
+            if _nothing_records() and not (self.sync_stats and hooks.sync_active()):
                 return self._eager_in_place(input)
             with when(self.training):
                 factor = self._factor()

@@ -197,7 +197,7 @@ def convert(model: nn.Module, *, sync_stats: bool = False) -> nn.Module:
     converter knows, is left alone with a :class:`ConvertWarning` naming it.
 
     ``sync_stats=True`` makes every converted module average its running
-    statistics across ranks at commit (rule 9).
+    statistics across ranks at commit (distributed sync, rule 9).
     """
     _load_lazy()
     if isinstance(model, _BatchNorm):

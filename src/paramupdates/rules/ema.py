@@ -73,15 +73,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .._origin import call_site
 from ..errors import UpdateError
-from ..schedule import AFTER_STEP
-from ._common import has_subclass, no_subclass, plain, refuse_inside_step, storage_key, where
+from ..origin import call_site
+from ..phases import AFTER_STEP
+from ..schedule import ScheduleEntry
 from .base import Rule, register
+from .common import has_subclass, no_subclass, plain_if, refuse_inside_step, storage_key, where
 
 if TYPE_CHECKING:
+    from ..commit import CommitContext
     from ..targets import ModelIndex
-    from ..transaction import CommitContext
 
 COUNTER = "pu_ema_updates"
 """The name of the averaged copy's buffer that holds ``t`` (the number of EMA updates so far)."""
@@ -125,7 +126,7 @@ class EMA(Rule):
     kind = "ema"
     infallible = True  # foreach lerp/copy on pairs validated in check()
     per_optimizer_update = True
-    rows_tracked = True  # fixed rows (rows() reads only what __init__ set)
+    foreach = True  # False: the per-tensor reference path (bitwise the same result)
 
     def __init__(
         self,
@@ -216,12 +217,10 @@ class EMA(Rule):
     def tensors(self) -> list[torch.Tensor]:
         return self._dst
 
-    def rows(self, index: ModelIndex) -> list[Any]:
-        from ..schedule import ScheduleEntry
-
+    def rows(self, index: ModelIndex) -> list[ScheduleEntry]:
         n = sum(self._avg)
         what = f"ema of {n} tensors" + (f" (+{len(self._avg) - n} copied)" if n < len(self._avg) else "")
-        return [ScheduleEntry(self.phase, what, f"ema(decay={self.decay})", "-", self.origin)]
+        return [ScheduleEntry(self.phase, what, f"ema(decay={self.decay})", "-", str(self.origin))]
 
     # --- math --------------------------------------------------------------
     def decay_at(self, t: int) -> float:
@@ -262,8 +261,10 @@ class EMA(Rule):
                 dtype = self._dtype if self._dtype is not None and s.is_floating_point() else s.dtype
                 device = self._device if self._device is not None else s.device
                 if s.shape != d.shape or d.dtype != dtype or d.device != device:
-                    expect = where(s) if (dtype, device) == (s.dtype, s.device) else (
-                        f"{device}/{str(dtype).removeprefix('torch.')}/{tuple(s.shape)} (as declared)"
+                    expect = (
+                        where(s)
+                        if (dtype, device) == (s.dtype, s.device)
+                        else (f"{device}/{str(dtype).removeprefix('torch.')}/{tuple(s.shape)} (as declared)")
                     )
                     raise UpdateError(
                         f"pu.ema (declared at {self.origin}): {name!r} is {where(s)} in the model but {where(d)} in "
@@ -290,7 +291,19 @@ class EMA(Rule):
 
     def apply(self, ctx: CommitContext) -> None:
         w = self._weight
-        with plain(self._sub):
+        with plain_if(self._sub):
+            if not self.foreach:  # the reference path: one pair at a time
+                for s, d, a in zip(self._src, self._dst, self._avg):
+                    if d.device != s.device:
+                        s = s.to(device=d.device)
+                    if not a:
+                        d.copy_(s)
+                    elif d.dtype == s.dtype:
+                        d.lerp_(s, w)
+                    else:
+                        d.mul_(1.0 - w).add_(s, alpha=w)
+                self.updates = self._t + 1
+                return
             for d, s in self._lerp:
                 torch._foreach_lerp_(d, s, w)
             for d, s in self._mixed:
@@ -351,6 +364,7 @@ def ema(
     include_buffers: bool = True,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
+    foreach: bool | None = None,
 ) -> nn.Module:
     """Declare an exponential moving average of ``model``; phase ``after_step``. Returns the averaged copy.
 
@@ -374,7 +388,8 @@ def ema(
     replacing a parameter or buffer object of ``model`` later (rather than
     writing it in place) is not followed. ``pu.rules.ema.rule_of(copy)`` is
     the rule (``.updates``, ``.remove()``); ``pu.rules.ema.weights(copy)`` the
-    copy's weights without the counter, to load into ``model``.
+    copy's weights without the counter, to load into ``model``. ``foreach=False`` runs the
+    per-tensor reference path (``a.lerp_(p, 1 - d_t)`` pair by pair; bitwise the same result).
     """
     origin = call_site(2)
     refuse_inside_step("pu.ema", origin)
@@ -406,6 +421,7 @@ def ema(
     if dev is not None or dtype is not None:
         module.to(device=dev, dtype=dtype)
     rule = EMA(model, module, decay, warmup, bool(include_buffers), origin, dtype=dtype, device=dev)
+    rule.foreach = foreach is not False
     register(rule)
     _BY_COPY[module] = weakref.ref(rule)
     return module

@@ -1,7 +1,7 @@
 """The update operations as pure functions, and operand validation.
 
 Each op maps ``(old, operand) -> new`` out of place, so a recorded update
-never writes storage (rule 2) and the same function serves the overlay
+never writes storage (deferred commit, rule 2) and the same function serves the overlay
 (read-your-writes), the commit fold and eager application:
 
 * ``assign``:      ``new = operand`` (cast to the target's dtype, broadcast from 0-dim)
@@ -128,6 +128,4 @@ def check_operand(op: str, target: torch.Tensor, operand: Any, key: Any, name: s
             except (IndexError, RuntimeError, TypeError) as e:
                 raise UpdateError(f"{where_}: bad key {key!r} for shape {tuple(target.shape)} ({e}).") from None
     else:
-        raise UpdateError(
-            f"{where_}: value of type {type(operand).__name__} is not a tensor or a Python number."
-        )
+        raise UpdateError(f"{where_}: value of type {type(operand).__name__} is not a tensor or a Python number.")

@@ -206,3 +206,8 @@ class Parameter(torch.nn.Parameter):
 
 def _rebuild(data: torch.Tensor, requires_grad: bool, auxiliary: bool, weight_decay: float | None) -> Parameter:
     return Parameter(data, trainable=requires_grad, auxiliary=auxiliary, weight_decay=weight_decay)
+
+
+# torch.load(weights_only=True), the default since torch 2.6, loads only allowlisted globals: a
+# state_dict(keep_vars=True) or a whole model holding pu.Parameters pickles _rebuild.
+torch.serialization.add_safe_globals([Parameter, _rebuild])

@@ -289,3 +289,7 @@ class SyncBatchNorm(UpdateSafeBatchNorm, nn.SyncBatchNorm):
     def forward(self, input: Tensor) -> Tensor:  # noqa: D102 - see class docstring
         self._check_non_zero_input_channels(input)
         return super().forward(input)
+
+
+# a whole model saved with torch.save loads with torch.load(weights_only=True) (its other classes allowed)
+torch.serialization.add_safe_globals([BatchNorm1d, BatchNorm2d, BatchNorm3d, SyncBatchNorm])

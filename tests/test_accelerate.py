@@ -1,6 +1,6 @@
 """The accelerate recipe with real accelerate on CPU: gradient accumulation, checkpoints, the prepared optimizer.
 
-Recipe (README, "accelerate"): declare the rules, ``accelerator.prepare``, ``pu.attach(model, optimizer.optimizer)``
+Recipe (README, "accelerate"): declare the rules, ``accelerator.prepare``, ``pu.attach(model, optimizer)``
 (the torch optimizer inside accelerate's ``AcceleratedOptimizer``), ``accelerator.register_for_checkpointing(attachment)``,
 and the usual ``with accelerator.accumulate(model):`` loop. accelerate's ``optimizer.step()`` calls the torch
 optimizer's step only when gradients sync (every ``gradient_accumulation_steps`` micro-batches), so the
@@ -21,7 +21,6 @@ from frameworks import import_or_skip
 accelerate = import_or_skip("accelerate", "accelerate")
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402 - after the skip
 
-CORE = pytest.mark.xfail(strict=True, reason="core: attach unwraps optimizer wrappers (issue 17, core part)")
 WD, DECAY = 0.1, 0.9
 
 
@@ -76,9 +75,9 @@ class Plain:
 
 
 class Ours:
-    """The recipe: pu batch norm, Adam + pu.weight_decay, pu.ema, pu.attach to the torch optimizer inside."""
+    """The recipe: pu batch norm, Adam + pu.weight_decay, pu.ema, pu.attach to the prepared optimizer."""
 
-    def __init__(self, accelerator, attach_to="inner"):
+    def __init__(self, accelerator, attach_to="prepared"):
         self.acc = accelerator
         net = pu.convert(_net())
         opt = torch.optim.Adam(net.parameters(), lr=0.05)
@@ -132,11 +131,10 @@ def test_save_state_and_load_state_resume_bitwise(tmp_path):
     assert_same(expect, snapshot(resumed.model, resumed.ema))
 
 
-@CORE
 def test_attach_accepts_the_prepared_optimizer():
     """Today: AttributeError: 'AcceleratedOptimizer' object has no attribute '_optimizer_step_pre_hooks'.
     Wanted: attach unwraps it (its .optimizer) and behaves as the recipe."""
-    ref = Ours(_accelerator())
+    ref = Ours(_accelerator(), attach_to="inner")
     ref.epoch()
     expect = snapshot(ref.model, ref.ema)
     pu.testing.reset()

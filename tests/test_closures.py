@@ -12,8 +12,6 @@ import paramupdates as pu
 
 from conftest import assert_same, snapshot
 
-CORE = pytest.mark.xfail(strict=True, reason="core: attach unwraps optimizer wrappers (issue 17, core part)")
-
 
 def _net():
     torch.manual_seed(0)
@@ -336,7 +334,6 @@ class Unhookable:
         return self.inner.step(closure)
 
 
-@CORE
 def test_a_wrapper_without_step_hooks_is_refused_with_update_error():
     """Today: AttributeError ('register_step_pre_hook'). Wanted: UpdateError naming the wrapper and the fix."""
     m = _net17()

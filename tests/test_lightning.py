@@ -21,8 +21,6 @@ from frameworks import import_or_skip
 L = import_or_skip("lightning.pytorch", "lightning")
 from paramupdates.lightning import ParamUpdates  # noqa: E402 - after the skip
 
-CORE_WRAPPERS = pytest.mark.xfail(strict=True, reason="core: attach unwraps optimizer wrappers (issue 17, core part)")
-
 
 def _data(n=24, seed=3):
     g = torch.Generator().manual_seed(seed)
@@ -275,7 +273,6 @@ class SelfAttaching(Lit):
         self.att.detach()
 
 
-@CORE_WRAPPERS
 def test_attach_unwraps_the_lightning_optimizer():
     """Wanted: pu.attach(model, lightning_optimizer) attaches to its .optimizer, the torch optimizer that
     Lightning's strategy steps. Today the attachment holds the wrapper itself (its hooks reach the torch

@@ -289,6 +289,7 @@ class Attachment(_Owner):
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, **options: Unpack[StepOptionsDict]) -> None:
+        optimizer = hookable(optimizer)
         super().__init__(model, optimizer, make_options(dict(options), "pu.attach"))
         self.journal: Journal | None = None  # the step being recorded (or committed)
         self.commit: Commit | None = None  # its commit, between the pre- and post-hook
@@ -502,6 +503,42 @@ class Attachment(_Owner):
 
     def _open_journal(self) -> Journal | None:
         return self.journal
+
+
+def hookable(optimizer: Any) -> torch.optim.Optimizer:
+    """The ``torch.optim.Optimizer`` whose step hooks an attachment registers on.
+
+    A wrapper that holds a torch optimizer as ``.optimizer`` without step hook registries of its
+    own is unwrapped: accelerate's ``AcceleratedOptimizer`` (never calls ``Optimizer.__init__``)
+    and Lightning's ``LightningOptimizer`` (shares the wrapped optimizer's registries). An
+    optimizer with registries of its own (a subclass, or one that steps an inner optimizer from
+    its own ``step``, like Lookahead) is kept: its own ``step`` is the update. Anything else, with
+    no step hooks to register (DeepSpeed's ZeRO optimizers), is refused with :class:`UpdateError`.
+    """
+    seen = optimizer
+    while True:
+        inner = getattr(seen, "optimizer", None)
+        own = vars(seen).get("_optimizer_step_pre_hooks") if hasattr(seen, "__dict__") else None
+        if (
+            isinstance(inner, torch.optim.Optimizer)
+            and inner is not seen
+            and (own is None or own is getattr(inner, "_optimizer_step_pre_hooks", None))
+        ):
+            seen = inner
+            continue
+        break
+    if not (
+        callable(getattr(seen, "register_step_pre_hook", None))
+        and isinstance(vars(seen).get("_optimizer_step_pre_hooks") if hasattr(seen, "__dict__") else None, dict)
+    ):
+        name = type(optimizer).__name__
+        raise UpdateError(
+            f"pu.attach: the optimizer {name} ({type(optimizer).__module__}) has no step hooks to commit in: it "
+            "is not a torch.optim.Optimizer, and holds none as .optimizer. (DeepSpeed's ZeRO optimizers are "
+            "of this kind.) Attach to the torch optimizer it steps, or commit explicitly around your own "
+            "step call: with pu.step(model, optimizer): ... (the commit calls optimizer.step())."
+        )
+    return seen
 
 
 def _run_by_explicit_commit(optimizer: Any) -> bool:

@@ -335,7 +335,7 @@ class Commit:
         self._flush_dirty()
         dirty = self._dirty
         later = phase != BEFORE_GRAD and GRAD in j.done_phases  # the optimizer may have written trainables
-        for e in in_phase.values():
+        for e in in_phase:
             # A target updated in this phase alone, that nothing wrote before, takes its pending value
             # as is. (A synced target, rule 9, commits its reduced value: it has one phase, is not
             # trainable and no rule writes it, as checked before.)
@@ -361,7 +361,7 @@ class Commit:
                     if r.phase == phase:
                         val = apply_op(r.op, val, r.operand, r.key, r.cond)
                 raw.copy_(val)
-        dirty.update(in_phase)  # (ids of entries, not targets: see _flush_dirty)
+        dirty.update(map(id, in_phase))  # (ids of entries, not targets: see _flush_dirty)
         j.done_phases.add(phase)
 
     def _flush_dirty(self) -> None:

@@ -77,7 +77,7 @@ class Journal:
         self.aliases: dict[int, Entry] = {}  # id(pending value) -> its entry
         self.aliases_stale = False  # set when a compiled graph installed pending values
         self.order: list[tuple[Entry, Record]] = []
-        self.by_phase: dict[str, dict[int, Entry]] = {}  # phase -> the entries with records in it
+        self.by_phase: dict[str, list[Entry]] = {}  # phase -> the entries with records in it
         self.shown = False  # some pending value is shown (hide() has something to do)
         self.state = "open"  # open -> committing -> closed
         self.done_phases: set[str] = set()
@@ -271,8 +271,8 @@ class Journal:
             e.phases.add(phase)
             bucket = self.by_phase.get(phase)
             if bucket is None:
-                bucket = self.by_phase[phase] = {}
-            bucket[id(e)] = e
+                bucket = self.by_phase[phase] = []
+            bucket.append(e)  # (no id() of an entry: dynamo cannot replay the id of an object it made)
         if sync is not None:
             e.sync = sync
         self.order.append((e, rec))

@@ -13,7 +13,7 @@ Four ways of doing the same math, timed side by side (interleaved rounds,
 median of the rounds):
 
 * ``pu``: one ``pu.Stepper`` commit (the rules run inside it), with the default
-  ``atomic=True`` and with ``atomic=False``;
+  default settings (no copies) and with ``copy_for_rollback=True``;
 * ``loop``: a hand-written per-parameter Python loop (the Keras formula per tensor);
 * ``foreach``: bare ``torch._foreach_*`` calls on precomputed lists (the
   row norms of max_norm as pu computes them on CPU, since PyTorch has no
@@ -72,13 +72,13 @@ def setup(real_opt: bool):
     return model, opt
 
 
-def pu_variant(real_opt: bool, atomic: bool):
+def pu_variant(real_opt: bool, copy: bool):
     model, opt = setup(real_opt)
     weights = [p for p in model.parameters() if p.ndim == 2]
     pu.weight_decay(model, WD)
     pu.constrain(weights, pu.max_norm(MAX))
     pu.ema(model, DECAY)
-    stepper = pu.Stepper(model, opt, atomic=atomic)
+    stepper = pu.Stepper(model, opt, copy_for_rollback=copy)
 
     def run():
         with stepper:
@@ -158,8 +158,8 @@ def foreach_variant(real_opt: bool, checked: bool = False):
 def bench(real_opt: bool, rounds: int, iters: int) -> dict[str, float]:
     variants = {}
     for name, make in [
-        ("pu (atomic=True)", lambda: pu_variant(real_opt, True)),
-        ("pu (atomic=False)", lambda: pu_variant(real_opt, False)),
+        ("pu (default)", lambda: pu_variant(real_opt, False)),
+        ("pu (copy_for_rollback)", lambda: pu_variant(real_opt, True)),
         ("loop", lambda: loop_variant(real_opt)),
         ("foreach", lambda: foreach_variant(real_opt)),
         ("foreach + checks", lambda: foreach_variant(real_opt, checked=True)),
@@ -190,10 +190,10 @@ def report(title: str, med: dict[str, float]) -> None:
         f"  floor: (foreach + checks) / foreach = {med['foreach + checks'] / med['foreach']:5.3f}x (the least a commit "
         "that validates before writing adds)"
     )
-    for flag in ("True", "False"):
-        p = med[f"pu (atomic={flag})"]
+    for name in ("default", "copy_for_rollback"):
+        p = med[f"pu ({name})"]
         print(
-            f"  atomic={flag:<5}: loop / pu = {med['loop'] / p:5.2f}x (goal >= 3)   "
+            f"  {name:<17}: loop / pu = {med['loop'] / p:5.2f}x (goal >= 3)   "
             f"pu / foreach = {p / med['foreach']:5.3f}x (goal <= 1.10)"
         )
 

@@ -30,7 +30,7 @@ def _rules_rows(repeats: int) -> list[dict]:
     """Rows from ``benchmarks/rules.py`` (the rules issue's benchmark), or a placeholder row.
 
     Uses its ``rows()`` if it has one; else its ``bench(real_opt, rounds, iters)``
-    (medians per variant: pu with atomic=True/False, a per-parameter loop, bare
+    (medians per variant: pu at default settings and with copy_for_rollback, a per-parameter loop, bare
     foreach); else runs its ``main()`` (which prints its own table).
     """
     title = "rules: wd + max_norm + EMA"
@@ -50,7 +50,7 @@ def _rules_rows(repeats: int) -> list[dict]:
         for real_opt, part in ((False, "rules only"), (True, "with SGD step")):
             med = mod.bench(real_opt, max(3, repeats), 5)
             base._RULES.clear()  # the rules declared on the benchmark's models
-            pu_t = med["pu (atomic=True)"]
+            pu_t = med["pu (default)"]
             out.append(
                 {
                     "bench": f"{title} ({size}, {part})",

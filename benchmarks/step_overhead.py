@@ -105,7 +105,7 @@ def run(repeats: int = 9, steps: int = 2) -> list[dict]:
         "eager": eager_step(m_eager, o_eager, x, y, parts["eager"]),
         "pu.step": pu_step(m_step, o_step, x, y, parts["pu.step"]),
         "pu.attach": eager_step(m_att, o_att, x, y, parts["pu.attach"]),
-        "pu.step(atomic=False, check_finite=False)": pu_step(m_fast, o_fast, x, y, atomic=False, check_finite=False),
+        "pu.step(check_finite=False)": pu_step(m_fast, o_fast, x, y, check_finite=False),
     }
     try:
         times = interleaved(variants, repeats=repeats, steps=steps)
@@ -117,7 +117,7 @@ def run(repeats: int = 9, steps: int = 2) -> list[dict]:
     for name, goal in (
         ("pu.step", 1.03),
         ("pu.attach", 1.03),
-        ("pu.step(atomic=False, check_finite=False)", None),
+        ("pu.step(check_finite=False)", None),
     ):
         r = ratios(times, name, "eager")
         rows.append(

@@ -170,6 +170,8 @@ SITES = [
     "optimizer:after",
 ]
 USER_SITES = ("user_begin", "user_mid", "user_end", "shape")
+# Faults that come before the commit's first write: the default commit (no copies) restores them too.
+EARLY_SITES = (*USER_SITES, "nonfinite")
 N_STEPS = 4
 
 
@@ -179,7 +181,14 @@ def data(i: int) -> torch.Tensor:
 
 class Harness:
     def __init__(
-        self, driver: str, *, seed: int = 0, on_nonfinite: str = "raise", bn: bool = False, ema: bool = False
+        self,
+        driver: str,
+        *,
+        seed: int = 0,
+        on_nonfinite: str = "raise",
+        bn: bool = False,
+        ema: bool = False,
+        copy_for_rollback: bool = False,
     ) -> None:
         torch.manual_seed(seed)
         self.m = Net(bn)
@@ -189,11 +198,8 @@ class Harness:
         self.shadow = register(Shadow(self.m))
         self.rules.append(self.shadow)
         self.driver = driver
-        self.owner = (
-            pu.attach(self.m, self.opt, on_nonfinite=on_nonfinite)
-            if driver == "attach"
-            else pu.Stepper(self.m, self.opt, on_nonfinite=on_nonfinite)
-        )
+        opts = {"on_nonfinite": on_nonfinite, "copy_for_rollback": copy_for_rollback}
+        self.owner = pu.attach(self.m, self.opt, **opts) if driver == "attach" else pu.Stepper(self.m, self.opt, **opts)
 
     def close(self) -> None:
         for r in self.rules:

@@ -1,4 +1,5 @@
-"""Rule 7: an exception in the block or in the optimizer leaves state bitwise unchanged.
+"""Validated commit (rule 7): an exception in the block leaves state bitwise unchanged; with
+``copy_for_rollback=True`` so does one raised in the optimizer or a rule during the commit.
 
 The bad-input catalogue (every validation error and its message) is in
 test_bad_input.py; random fault points (rules, optimizer, validation, user
@@ -46,7 +47,7 @@ def test_exception_inside_optimizer_rolls_back_everything():
     opt.fail = True
     before = snapshot(m, opt)
     with pytest.raises(RuntimeError, match="optimizer failed"):
-        with pu.step(m, opt):
+        with pu.step(m, opt, copy_for_rollback=True):
             m(torch.randn(4, 3)).sum().backward()
             pu.assign_add(m.lin.bias, 1.0, phase="before_grad")
     assert_same(before, snapshot(m, opt))
@@ -96,7 +97,7 @@ def test_failing_user_callable_constraint_rolls_back_everything():
     opt.zero_grad()
     before = snapshot(m, opt, averaged)
     with pytest.raises(pu.UpdateError, match="user constraint failed") as ei:
-        with pu.step(m, opt):
+        with pu.step(m, opt, copy_for_rollback=True):
             m(torch.randn(4, 3)).sum().backward()
     assert "'lin.weight'" in str(ei.value) and "test_atomic.py" in str(ei.value)
     assert_same(before, snapshot(m, opt, averaged))
@@ -118,7 +119,7 @@ def test_no_snapshot_after_the_last_fallible_stage(monkeypatch):
     pu.constrain(m.lin.weight, pu.max_norm(0.5))
     averaged = pu.ema(m, 0.9)
     copied.clear()
-    with pu.step(m, opt):
+    with pu.step(m, opt, copy_for_rollback=True):
         m(torch.randn(4, 3)).sum().backward()
     assert id(m.lin.weight) in copied  # decayed before the (fallible) optimizer step
     assert not set(map(id, averaged.state_dict(keep_vars=True).values())) & set(copied)
@@ -131,12 +132,12 @@ def test_fallible_rule_after_ema_restores_the_average():
     register(Failing(m.acc))  # after_step, declared after the EMA: not infallible
     before = snapshot(m, opt, averaged)
     with pytest.raises(ValueError, match="rule failed"):
-        with pu.step(m, opt):
+        with pu.step(m, opt, copy_for_rollback=True):
             m(torch.randn(4, 3)).sum().backward()
     assert_same(before, snapshot(m, opt, averaged))
 
 
-def test_atomic_false_takes_no_snapshot(monkeypatch):
+def test_the_default_commit_takes_no_copy(monkeypatch):
     from paramupdates import rollback
 
     copied = []
@@ -144,7 +145,7 @@ def test_atomic_false_takes_no_snapshot(monkeypatch):
     m = Counter()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     pu.weight_decay(m, 0.1)
-    with pu.step(m, opt, atomic=False):
+    with pu.step(m, opt):
         m(torch.randn(4, 3)).sum().backward()
     assert copied == []
 
@@ -166,7 +167,7 @@ def test_rollback_copies_reuse_kept_cpu_buffers_and_still_restore_bitwise():
     opt = Boom(m.parameters(), lr=0.1, momentum=0.9)
     opt.fail = False
     pu.weight_decay(m, 0.1)
-    s = pu.Stepper(m, opt)
+    s = pu.Stepper(m, opt, copy_for_rollback=True)
     seen = []
     real = rollback.copies_of
     transaction_copies = lambda pool, ts: seen.append(out := real(pool, ts)) or out  # noqa: E731

@@ -235,10 +235,15 @@ def test_callable_returning_wrong_shape_is_an_error_naming_target_and_origin():
     pu.constrain(m.a.weight, lambda w: w[:1])
     before = snapshot(m, opt)
     with pytest.raises(pu.UpdateError, match="same shape") as ei:
-        with pu.step(m, opt):
+        with pu.step(m, opt, copy_for_rollback=True):
             m(torch.randn(2, 4)).sum().backward()
     assert "'a.weight'" in str(ei.value) and f"test_constraints.py:{line}" in str(ei.value)
     assert_same(before, snapshot(m, opt))
+    # without copies the optimizer's step stays (it ran before the constraint), and the note says so
+    with pytest.raises(pu.UpdateError, match="same shape") as ei:
+        with pu.step(m, opt):
+            m(torch.randn(2, 4)).sum().backward()
+    assert "SGD.step" in "\n".join(ei.value.__notes__)
 
 
 @pytest.mark.parametrize("how", ["one_step", "attach"])

@@ -1,12 +1,14 @@
-"""Fault injection: an exception anywhere inside a step changes nothing (validated commit, rule 7).
+"""Fault injection: an exception inside a step changes nothing (validated commit, rule 7).
 
-An exception raised at a random point of a step (in user code, inside a
-declared rule of any phase, inside the optimizer before or after it wrote,
-in validation at record time or at commit) must leave every parameter,
-buffer, optimizer state, rule state (an EMA-like shadow copy and Python
-counters) and step counter bitwise as before the step, with the overlay
-gone; and the next step must work normally: a run with failed attempts
-interleaved ends bitwise equal to the same run without them.
+By default, an exception raised before the commit's first write (in user
+code, in validation at record time or at commit) must leave every parameter,
+buffer, optimizer state, rule state and step counter bitwise as before the
+step, with the overlay gone; an exception raised by the optimizer itself
+leaves what the optimizer wrote, as plain PyTorch does, and drops the rest of
+the step. With ``copy_for_rollback=True`` an exception anywhere (inside a
+declared rule of any phase, inside the optimizer before or after it wrote)
+restores everything bitwise. Either way the next step works normally: a run
+with failed attempts interleaved ends bitwise equal to the same run without them.
 
 Two harnesses:
 
@@ -14,7 +16,9 @@ Two harnesses:
   with a fault raised before a random statement of a random step, checked
   against the reference interpreter (the faulted step never happened);
 * ``test_fault_matrix``: a seeded loop of 120 random scenarios over every
-  fault site x {pu.step, pu.attach}, checked against a clean run.
+  fault site x {pu.step, pu.attach} with ``copy_for_rollback=True``, and
+  ``test_fault_matrix_default`` over the early sites with the default
+  commit, checked against a clean run.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import paramupdates as pu
-from fault_models import N_STEPS, SITES, USER_SITES, Flaky, Harness, Injected, Net, Tally, data
+from fault_models import EARLY_SITES, N_STEPS, SITES, USER_SITES, Flaky, Harness, Injected, Net, Tally, data
 from paramupdates import context
 from paramupdates.rules.base import register
 from programs import Fault, PuRunner, count_statements, programs
@@ -87,7 +91,7 @@ def test_fault_in_random_program(program, seg_pick, stmt_pick, driver):
 # 2. the fault matrix: rules, optimizer, validation, user code; step and attach
 # ---------------------------------------------------------------------------
 def _clean(driver: str) -> list:
-    h = Harness(driver)
+    h = Harness(driver)  # (no fault: the same result with or without copies)
     try:
         for i in range(N_STEPS):
             h.step(data(i))
@@ -96,10 +100,10 @@ def _clean(driver: str) -> list:
         h.close()
 
 
-def _scenario(rng: random.Random, driver: str, clean: list, site: str, ema: bool = False) -> None:
-    h = Harness(driver, ema=ema)
+def _scenario(rng: random.Random, driver: str, clean: list, site: str, ema: bool = False, copy: bool = True) -> None:
+    h = Harness(driver, ema=ema, copy_for_rollback=copy)
     try:
-        faults = {rng.randrange(N_STEPS): site, rng.randrange(N_STEPS): rng.choice(SITES)}
+        faults = {rng.randrange(N_STEPS): site, rng.randrange(N_STEPS): rng.choice(SITES if copy else EARLY_SITES)}
         for i in range(N_STEPS):
             if i in faults:
                 before = h.everything()
@@ -124,6 +128,7 @@ def _scenario(rng: random.Random, driver: str, clean: list, site: str, ema: bool
 
 
 def test_fault_matrix():
+    """copy_for_rollback=True: a fault at any site (optimizer and rules included) restores everything."""
     rng = random.Random(7)
     for driver in ("step", "attach"):
         clean = _clean(driver)
@@ -136,12 +141,54 @@ def test_fault_matrix():
                 raise AssertionError(f"driver={driver} scenario {j} site={site}: {e}") from e
 
 
+def test_fault_matrix_default():
+    """The default commit (no copies): a fault in user code or validation restores everything."""
+    rng = random.Random(8)
+    for driver in ("step", "attach"):
+        clean = _clean(driver)
+        for j in range(30):
+            site = EARLY_SITES[j % len(EARLY_SITES)]
+            try:
+                _scenario(rng, driver, clean, site, copy=False)
+            except AssertionError as e:
+                raise AssertionError(f"driver={driver} scenario {j} site={site}: {e}") from e
+
+
+@pytest.mark.parametrize("driver", ["step", "attach"])
+def test_default_optimizer_fault_keeps_its_writes_drops_the_rest_and_says_so(driver):
+    """Without copies an optimizer that raises after writing leaves its writes (as plain PyTorch);
+    before_grad stays applied, the later phases' pending updates are dropped, the exception says so,
+    and the next step works."""
+    h = Harness(driver)
+    try:
+        h.step(data(0))
+        before = h.everything()
+        h.opt.fail = "after"
+        with pytest.raises(Injected) as ei:
+            h.step(data(1))
+        h.opt.fail = None
+        note = "\n".join(getattr(ei.value, "__notes__", []))
+        assert "before_grad" in note and "Flaky.step" in note and "copy_for_rollback=True" in note
+        assert "auxiliary" in note.split("discarded")[0].rsplit("(", 1)[1]  # named among the discarded
+        after = dict(h.everything())
+        b = dict(before)
+        assert not torch.equal(bits(after["lin.weight"]), bits(b["lin.weight"]))  # the optimizer's write stays
+        assert torch.equal(bits(after["acc"]), bits(b["acc"])) and after["count"] == b["count"]  # auxiliary dropped
+        assert after["steps"] == b["steps"]
+        assert not context.explicit and not context.pu_pending
+        h.opt.zero_grad()
+        h.step(data(2))
+        assert int(h.m.count) == 2 and h.owner.steps == 2
+    finally:
+        h.close()
+
+
 @pytest.mark.skipif(not hasattr(pu, "ema"), reason="pu.ema lands with issue 3")
 def test_fault_matrix_with_ema():
     """The same matrix with the declared pu.ema: its averaged copy and counters are restored."""
     rng = random.Random(11)
     for driver in ("step", "attach"):
-        h = Harness(driver, ema=True)
+        h = Harness(driver, ema=True, copy_for_rollback=True)
         try:
             for i in range(N_STEPS):
                 h.step(data(i))
@@ -179,7 +226,7 @@ def test_first_step_failure_removes_created_optimizer_state():
     opt.fail = "after"
     before = snapshot(m, opt)
     with pytest.raises(Injected):
-        with pu.step(m, opt):
+        with pu.step(m, opt, copy_for_rollback=True):
             m(data(0)).backward()
     assert len(opt.state) == 0
     assert_same(before, snapshot(m, opt))
@@ -191,7 +238,7 @@ def test_rule_failure_restores_python_counters_and_next_step_runs_it_once():
     rule = register(Tally(m.tally, "after_step"))
     rule.fail = True
     with pytest.raises(Injected):
-        with pu.step(m, opt):
+        with pu.step(m, opt, copy_for_rollback=True):
             m(data(0)).backward()
     assert rule.calls == 0 and torch.equal(bits(m.tally), bits(torch.zeros(3)))
     rule.fail = False
@@ -206,7 +253,7 @@ def test_attach_failed_optimizer_step_rolls_back_at_once_and_next_step_counts():
     propagates (no discard() needed); the next forward's updates form a new step."""
     m = Net()
     opt = Flaky(m.parameters(), lr=0.1)
-    att = pu.attach(m, opt)
+    att = pu.attach(m, opt, copy_for_rollback=True)
     m(data(0)).backward()
     opt.step()
     opt.zero_grad()
@@ -240,7 +287,7 @@ def test_attach_subclassed_optimizer_commits_once():
 def test_fault_with_batchnorm_counters():
     """pu.nn.BatchNorm1d's running statistics and num_batches_tracked are restored too."""
     for site in ("rule:after_step", "optimizer:after", "nonfinite"):
-        h = Harness("step", bn=True)
+        h = Harness("step", bn=True, copy_for_rollback=site != "nonfinite")
         try:
             h.step(data(0))
             before = h.everything()
@@ -258,7 +305,7 @@ def test_fault_with_batchnorm_counters():
 
 
 def test_without_snapshots_the_same_fault_does_change_state():
-    """The fault checks have teeth: with atomic=False (no snapshots at commit) an optimizer
+    """The fault checks have teeth: without copy_for_rollback (no copies at commit) an optimizer
     that fails after writing leaves its writes behind, and the comparison catches it."""
     m = Net()
     opt = Flaky(m.parameters(), lr=0.1)
@@ -268,7 +315,7 @@ def test_without_snapshots_the_same_fault_does_change_state():
     before = snapshot(m, opt)
     opt.fail = "after"
     with pytest.raises(Injected):
-        with pu.Stepper(m, opt, atomic=False):
+        with pu.Stepper(m, opt):
             m(data(1)).backward()
     with pytest.raises(AssertionError):
         assert_same(before, snapshot(m, opt))
@@ -311,7 +358,7 @@ def test_kept_rollback_copies_restore_adamw_after_many_commits(when):
         pu.weight_decay(m, 0.05)
         pu.constrain(m.lin.weight, pu.max_norm(0.5))
         avg = pu.ema(m, 0.9)
-        return m, opt, avg, pu.Stepper(m, opt)
+        return m, opt, avg, pu.Stepper(m, opt, copy_for_rollback=True)
 
     def step(m, opt, s, i):
         with s:

@@ -78,15 +78,16 @@ def test_steady_state_takes_the_one_pass_path_and_equals_the_full_checks(full_ch
 
 
 def test_a_fresh_pu_step_per_iteration_shares_the_cache(full_checks):
-    """The usual loop opens pu.step(model, opt) per iteration: the cache (and the kept rollback
-    copies) belong to the model and optimizer, not to the step object."""
+    """The usual loop opens pu.step(model, opt) per iteration: the cache (and, with
+    copy_for_rollback, the kept rollback copies) belong to the model and optimizer, not to the
+    step object."""
     m = _net()
     opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.5)
     averaged = _declare(m)
     copies = []
     for i in range(4):
         x = torch.randn(3, 4, generator=torch.Generator().manual_seed(i))
-        with pu.step(m, opt) as s:
+        with pu.step(m, opt, copy_for_rollback=True) as s:
             m(x).pow(2).sum().backward()
         opt.zero_grad()
         copies.append(

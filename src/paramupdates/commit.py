@@ -8,7 +8,7 @@ Every way of ending a step commits through :class:`Commit` (``pu.step``,
     c.before_optimizer()   # the rules' checks (before any write), then phase before_grad
     c.run_optimizer()      # phase grad: optimizer.step()   (or c.optimizer_stepped() under attach)
     c.finish()             # after_grad, auxiliary, after_step
-    c.abort()              # on any exception: restore (atomic) or discard
+    c.abort(exc)           # on any exception: restore (copy_for_rollback) or keep what was written
 
 :meth:`Commit.run` is that sequence. With a closure (``optimizer.step(closure)``:
 LBFGS, Lightning's automatic optimization) the gradients exist only once the
@@ -28,8 +28,13 @@ as is: one ``torch._foreach_copy_`` per device and dtype. Other targets fold
 their records, in issue order, over the value the target has when their
 phase comes.
 
-With ``atomic=True`` (``rollback.Rollback``) what a stage writes while a fallible
-stage is still to come is copied first, so that an exception restores everything.
+An exception after the first write (from the optimizer's step, or a rule that
+runs user code) leaves, by default, what was written so far, as plain PyTorch
+leaves what an optimizer wrote before it raised; the rest of the step is
+discarded and a note on the exception says which phases were applied. With
+``copy_for_rollback=True`` (``rollback.Rollback``) what a stage writes while a
+fallible stage is still to come is copied first, so that the exception
+restores everything bitwise.
 """
 
 from __future__ import annotations
@@ -96,7 +101,8 @@ class Commit:
             seq  # the owner's count of closed steps: ranks check they commit the same one (distributed sync, rule 9)
         )
         pool, self.ruleset = caches if caches is not None else (None, None)
-        self.rollback = Rollback(options.atomic, pool, self)
+        self.rollback = Rollback(options.copy_for_rollback, pool, self)
+        self._applied: list[str] = []  # what was written so far, for the note on an exception
         self.rules: list[Rule] = []
         self.skipped = False
         self.state = "new"  # new -> begun -> checked -> stepped -> done | aborted
@@ -123,8 +129,8 @@ class Commit:
                 self.before_optimizer()
                 out = self.run_optimizer()
             self.finish()
-        except BaseException:
-            self.abort()
+        except BaseException as exc:
+            self.abort(exc)
             raise
         return out
 
@@ -214,6 +220,7 @@ class Commit:
         if opt is not None:
             self.rollback.protect_optimizer(opt, all_params=closure is not None)
             context.committing.append(self)  # an attachment on this optimizer stands aside
+            self.optimizer_starting()
             try:
                 out = opt.step() if closure is None else opt.step(closure)
             finally:
@@ -232,6 +239,10 @@ class Commit:
         self.optimizer_stepped()
         return out
 
+    def optimizer_starting(self) -> None:
+        """The optimizer's step is about to run (what it writes stays if it raises, unless copied)."""
+        self._applied.append(f"{type(self.optimizer).__name__}.step (started)")
+
     def optimizer_stepped(self) -> None:
         """The optimizer's step is behind us (called by :meth:`run_optimizer`, or under attach by the
         optimizer's post-hook)."""
@@ -247,14 +258,30 @@ class Commit:
             self.run_phase(phase)
         self._end("done")
 
-    def abort(self) -> None:
-        """Undo the commit: restore what it wrote (``atomic``), drop what is pending."""
+    def abort(self, exc: BaseException | None = None) -> None:
+        """End a failed commit: drop what is pending; restore what was written (``copy_for_rollback``),
+        or keep it and say so on ``exc``."""
         self.journal.hide()
         self.restore_grads()
         if self.state in ("begun", "checked", "stepped"):
-            self.rollback.restore()  # the copies (atomic), the optimizer's state, the rules' state
+            if self.rollback.enabled:
+                self.rollback.restore()  # the copies, the optimizer's state, the rules' state
+            else:
+                self.rollback.release()  # rules that did not run let go of what their checks held
+                if exc is not None and self._applied:
+                    exc.add_note(self._what_was_applied())
         if self.state not in ("done", "aborted"):
             self._end("aborted")
+
+    def _what_was_applied(self) -> str:
+        done = ", ".join(self._applied)
+        left = [p for p in PHASES if p not in self.journal.done_phases and p != GRAD]
+        return (
+            f"paramupdates ({self.label}): the commit had applied {done} when this was raised; that stays "
+            "written, as plain PyTorch keeps what an optimizer wrote before raising. The rest of the step "
+            f"({', '.join(left)}) was discarded. To have such a step restored bitwise instead, pass "
+            "copy_for_rollback=True (one copy of the parameters and optimizer state per step)."
+        )
 
     def _end(self, state: str) -> None:
         self.state = state
@@ -322,6 +349,8 @@ class Commit:
                     written = rule.tensors()
                     rb.protect(written)
                     rule.apply(ctx)
+                    rb.applied(rule)
+                    self._applied.append(f"{rule.kind} (declared at {rule.origin})")
                     self._dirty_pending.append(written)
                     rb.stage_done(not rule.infallible)
         j = self.journal
@@ -363,6 +392,7 @@ class Commit:
                 raw.copy_(val)
         dirty.update(map(id, in_phase))  # (ids of entries, not targets: see _flush_dirty)
         j.done_phases.add(phase)
+        self._applied.append(f"the {phase} updates")
 
     def _flush_dirty(self) -> None:
         """Add the entries whose targets the rules so far wrote to ``_dirty`` (as the ids of the entries)."""

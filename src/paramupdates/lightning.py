@@ -67,13 +67,13 @@ in a half-accumulated step are not in them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import lightning.pytorch as pl
-import torch
 from torch import nn
 
 from .errors import UpdateError
+from .options import StepOptionsDict, make_options
 from .step import Attachment, attach
 
 __all__ = ["ParamUpdates"]
@@ -89,7 +89,8 @@ class ParamUpdates(pl.Callback):
             or ``None`` (the default) is for one optimizer. Two attachments
             cannot share a module, so with several optimizers name disjoint
             submodules.
-        on_nonfinite, check_finite, atomic: passed to :func:`paramupdates.attach`.
+        **options: the step options, passed to :func:`paramupdates.attach` (``on_nonfinite``,
+            ``check_finite``, ``copy_for_rollback``, ``process_group``, ``sync_timeout``).
 
     After ``fit`` starts, :attr:`attachments` holds the
     :class:`paramupdates.Attachment` of each optimizer (``.schedule()``,
@@ -100,16 +101,12 @@ class ParamUpdates(pl.Callback):
     def __init__(
         self,
         modules: str | Sequence[str | None] | None = None,
-        *,
-        on_nonfinite: str = "raise",
-        check_finite: bool = True,
-        atomic: bool = True,
+        **options: Unpack[StepOptionsDict],
     ) -> None:
         super().__init__()
         self.modules = modules
-        self.on_nonfinite = on_nonfinite
-        self.check_finite = check_finite
-        self.atomic = atomic
+        make_options(dict(options), "ParamUpdates")  # refuse a bad option now, not at fit
+        self.options = options
         self.attachments: list[Attachment] = []
         self._attached = False
         self._pending: dict[str, Any] | None = None
@@ -148,14 +145,11 @@ class ParamUpdates(pl.Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Attach to every optimizer (Lightning has called ``configure_optimizers``), then load a resumed state."""
         self._detach()
-        optimizers = [_unwrap(o) for o in trainer.optimizers]
+        optimizers = list(trainer.optimizers)  # (attach unwraps a LightningOptimizer)
         if not optimizers:
             return
         targets = self._targets(pl_module, len(optimizers))
-        self.attachments = [
-            attach(m, o, on_nonfinite=self.on_nonfinite, check_finite=self.check_finite, atomic=self.atomic)
-            for m, o in zip(targets, optimizers)
-        ]
+        self.attachments = [attach(m, o, **self.options) for m, o in zip(targets, optimizers)]
         self._attached = True
         if self._pending is not None:
             state, self._pending = self._pending, None
@@ -198,9 +192,3 @@ class ParamUpdates(pl.Callback):
             )
         for a, s in zip(self.attachments, saved):
             a.load_state_dict(s)
-
-
-def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
-    """The torch optimizer (``trainer.optimizers`` holds them already; a ``LightningOptimizer`` holds one)."""
-    inner = getattr(optimizer, "_optimizer", None)
-    return inner if isinstance(inner, torch.optim.Optimizer) else optimizer

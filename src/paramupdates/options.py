@@ -16,7 +16,7 @@ class StepOptionsDict(TypedDict, total=False):
 
     on_nonfinite: str
     check_finite: bool
-    atomic: bool
+    copy_for_rollback: bool
     process_group: Any
     sync_timeout: float | datetime.timedelta | None
 
@@ -31,10 +31,14 @@ class StepOptions:
             pending value is NaN or infinite.
         check_finite: check pending values for NaN/inf at commit (one batched reduction and one
             host sync per step); ``False`` skips the check.
-        atomic: before the commit writes while a fallible stage (the optimizer's step, a rule that
-            runs user code) is still to come, copy what it writes, so that an exception there
-            restores everything bitwise (costs one copy of the written tensors and the optimizer's
-            state during the commit).
+        copy_for_rollback: before the commit writes while a fallible stage (the optimizer's step,
+            a rule that runs user code) is still to come, copy what it writes and the optimizer's
+            state, so that an exception there restores everything bitwise (validated commit,
+            rule 7). Costs one copy of the parameters and the optimizer's state per step (kept
+            between steps on CPU). Off by default: every check still runs before the first write,
+            and an exception raised by the optimizer itself (or a user constraint after it) leaves
+            what was written so far, as plain PyTorch does, drops the step's pending updates, and
+            says which were applied.
         process_group: the ``torch.distributed`` group that ``sync="mean"``/``"sum"`` updates reduce
             over at commit (distributed sync, rule 9); ``None``: the default group. Every rank of the group must commit
             its steps together.
@@ -45,7 +49,7 @@ class StepOptions:
 
     on_nonfinite: str = "raise"
     check_finite: bool = True
-    atomic: bool = True
+    copy_for_rollback: bool = False
     process_group: Any = None
     sync_timeout: float | None = None
 
@@ -60,6 +64,11 @@ class StepOptions:
 def make_options(options: dict[str, Any], where: str) -> StepOptions:
     """:class:`StepOptions` from the ``**options`` of ``where``; a ``TypeError`` naming an unknown one."""
     unknown = set(options) - set(StepOptions.__dataclass_fields__)
+    if "atomic" in unknown:
+        raise TypeError(
+            f"{where}: atomic= is now copy_for_rollback= (default False: no copy of the parameters and "
+            "optimizer state; every check still runs before the first write)."
+        )
     if unknown:
         raise TypeError(
             f"{where} got unknown option(s) {sorted(unknown)}; the options are "

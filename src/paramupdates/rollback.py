@@ -1,6 +1,6 @@
 """Rollback of a commit: the copies that let an exception restore everything bitwise (validated commit, rule 7).
 
-With ``atomic=True``, before a commit writes a tensor while a fallible stage
+With ``copy_for_rollback=True``, before a commit writes a tensor while a fallible stage
 (the optimizer step, a rule that runs user code) is still to come, it copies
 the tensor (and, before the optimizer's step, the optimizer's state), so that
 an exception restores them bitwise: :class:`Rollback`. Nothing is copied once
@@ -122,7 +122,7 @@ class Rollback:
 
     ``fallible_left``: fallible stages (the optimizer's step, rules that are not
     ``infallible``) still to run; copies are taken only while it is positive.
-    ``enabled=False`` (``atomic=False``) takes none.
+    ``enabled=False`` (the default: ``copy_for_rollback=False``) takes none.
     """
 
     def __init__(self, enabled: bool, pool: SnapshotPool | None, owner: Any) -> None:
@@ -135,6 +135,18 @@ class Rollback:
         self._opt_saved: dict[int, tuple[torch.Tensor, dict | None]] | None = None
         self._optimizer: Any = None
         self._rules: list[tuple[Rule, Any]] = []
+        self._applied: set[int] = set()  # id() of the rules that applied
+
+    def applied(self, rule: Rule) -> None:
+        """``rule`` has written (it keeps its state unless everything is restored)."""
+        self._applied.add(id(rule))
+
+    def release(self) -> None:
+        """Without copies nothing is restored: the rules that did not apply let go of what their
+        checks held; those that did keep their state (it matches what they wrote)."""
+        for r, saved in self._rules:
+            if id(r) not in self._applied:
+                r.restore(saved)
 
     def stage_done(self, fallible: bool) -> None:
         """One stage of the commit has run (a fallible one lowers the count)."""
@@ -201,5 +213,6 @@ class Rollback:
         self._snapshots = []
         self._opt_saved = None
         self._rules = []
+        self._applied = set()
         if self.pool is not None:
             self.pool.end_commit(self.owner)

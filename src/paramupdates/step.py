@@ -157,7 +157,7 @@ class Stepper(_Owner):
             commit's checks and ``before_grad`` run right after its first call,
             when the gradients exist. Updates it issues join the step.
         **options: see :class:`~paramupdates.options.StepOptions` (``on_nonfinite``,
-            ``check_finite``, ``atomic``, ``process_group``, ``sync_timeout``).
+            ``check_finite``, ``copy_for_rollback``, ``process_group``, ``sync_timeout``).
     """
 
     def __init__(
@@ -253,7 +253,7 @@ def step(
     ``auxiliary``, ``after_step``). An exception discards the step.
     ``s.schedule()`` afterwards is the committed plan. ``closure`` and
     ``**options`` (``on_nonfinite="raise"`` or ``"skip"``, ``check_finite``,
-    ``atomic``, ``process_group``, ``sync_timeout``): see :class:`Stepper`.
+    ``copy_for_rollback``, ``process_group``, ``sync_timeout``): see :class:`Stepper`.
     """
     return Stepper(model, optimizer, closure=closure, **options).step()
 
@@ -331,13 +331,14 @@ class Attachment(_Owner):
         optimizer.step = self._guard  # type: ignore[method-assign]
 
     def _guarded_step(self, *args: Any, **kwargs: Any) -> Any:
-        """``optimizer.step``: on an exception the step is rolled back before it propagates."""
+        """``optimizer.step``: on an exception the step is ended (restored, or its pending updates dropped)
+        before it propagates."""
         self._calls += 1
         try:
             return self._orig_step(*args, **kwargs)
-        except BaseException:
+        except BaseException as exc:
             if self.commit is not None:
-                self._abort()
+                self._abort(exc)
             raise
         finally:
             self._calls -= 1
@@ -388,10 +389,10 @@ class Attachment(_Owner):
         """Whether the optimizer.step() call that opened the commit is still running."""
         return self._calls > 0 and self._calls == self._step_calls
 
-    def _abort(self) -> None:
+    def _abort(self, exc: BaseException | None = None) -> None:
         c, j = self.commit, self.journal
         if c is not None:
-            c.abort()
+            c.abort(exc)
         elif j is not None:
             j.discard()
             self._closed += 1  # closed before its commit began (which counts it)
@@ -418,6 +419,7 @@ class Attachment(_Owner):
             closure = kwargs.get("closure") if kwargs and "closure" in kwargs else (args[1] if len(args) > 1 else None)
             if closure is not None:
                 c.rollback.protect_optimizer(optimizer, all_params=True)
+                c.optimizer_starting()
                 wrapped = c.wrap_closure(closure)
                 if kwargs and "closure" in kwargs:
                     return args, {**kwargs, "closure": wrapped}
@@ -427,9 +429,10 @@ class Attachment(_Owner):
                 return None
             c.before_optimizer()
             c.rollback.protect_optimizer(optimizer, all_params=False)
+            c.optimizer_starting()
             self.journal.show_pending()
-        except BaseException:
-            self._abort()
+        except BaseException as exc:
+            self._abort(exc)
             raise
         finally:
             self._hooks_running = False
@@ -457,8 +460,8 @@ class Attachment(_Owner):
             else:
                 c.optimizer_stepped()
                 c.finish()
-        except BaseException:
-            self._abort()
+        except BaseException as exc:
+            self._abort(exc)
             raise
         finally:
             self._hooks_running = False

@@ -56,7 +56,7 @@ class Rule:
 
     ``infallible``: a rule whose :meth:`apply` cannot raise once :meth:`check`
     has passed (inputs validated, foreach math on matching tensors) sets it to
-    ``True``; an atomic commit then needs no copy for what it writes when no
+    ``True``; a commit with ``copy_for_rollback`` then needs no copy for what it writes when no
     fallible stage (the optimizer step, a rule that is not infallible) follows.
     Leave it ``False`` for anything that runs user code.
 

@@ -436,7 +436,7 @@ class Constrain(Rule):
                 except Exception as exc:
                     raise UpdateError(
                         f"constraint {self.constraint.name!r} (declared at {self.origin}) raised on {name!r}: "
-                        f"{type(exc).__name__}: {exc}. Nothing of this step was written."
+                        f"{type(exc).__name__}: {exc}. Nothing of this constraint was written."
                     ) from exc
                 if (
                     not isinstance(new, torch.Tensor)
@@ -448,7 +448,7 @@ class Constrain(Rule):
                     raise UpdateError(
                         f"constraint {self.constraint.name!r} (declared at {self.origin}) returned {got} for {name!r} "
                         f"({where(t)}): a constraint must return a tensor of the same shape and device. "
-                        "Nothing of this step was written."
+                        "Nothing of this constraint was written."
                     )
                 news.append(new)
             for t, new in zip(ts, news):

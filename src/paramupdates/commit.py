@@ -90,7 +90,7 @@ class Commit:
         journal: Journal,
         optimizer: torch.optim.Optimizer | None,
         options: StepOptions,
-        caches: tuple[SnapshotPool, RuleSet] | None,
+        caches: tuple[SnapshotPool, RuleSet, dict] | None,
         seq: int,
     ) -> None:
         self.journal = journal
@@ -100,7 +100,7 @@ class Commit:
         self.seq = (
             seq  # the owner's count of closed steps: ranks check they commit the same one (distributed sync, rule 9)
         )
-        pool, self.ruleset = caches if caches is not None else (None, None)
+        pool, self.ruleset, _entries = caches if caches is not None else (None, None, None)
         self.rollback = Rollback(options.copy_for_rollback, pool, self)
         self._applied: list[str] = []  # what was written so far, for the note on an exception
         self.rules: list[Rule] = []
@@ -150,7 +150,7 @@ class Commit:
             1 for r in rules if not r.infallible
         )
         opts = self.options
-        synced = [e for e in j.entries.values() if e.sync is not None]
+        synced = j.synced
         remote_bad = 0
         if synced:
             backend = hooks.sync_backend(self.label)
@@ -285,7 +285,7 @@ class Commit:
 
     def _end(self, state: str) -> None:
         self.state = state
-        self.journal.state = "closed"
+        self.journal.close()
         self.rollback.end()
 
     # ------------------------------------------------------------------
@@ -368,8 +368,10 @@ class Commit:
             # A target updated in this phase alone, that nothing wrote before, takes its pending value
             # as is. (A synced target, rule 9, commits its reduced value: it has one phase, is not
             # trainable and no rule writes it, as checked before.)
-            if e.sync is not None or (len(e.phases) == 1 and id(e) not in dirty and not (later and e.trainable)):
-                fast_dst.append(_raw(e))
+            if e.sync is not None or (
+                len(e.phases) == 1 and not (dirty and id(e) in dirty) and not (later and e.trainable)
+            ):
+                fast_dst.append(e.raw if e.raw is not None else _raw(e))
                 fast_src.append(e.value)  # type: ignore[arg-type]
             else:
                 slow.append(e)
@@ -419,22 +421,23 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 # --- finiteness: one batched reduction ---------------------------------------------
-def _float_entries(entries: Any) -> list[Entry]:
-    return [e for e in entries if e.value is not None and (e.value.is_floating_point() or e.value.is_complex())]
-
-
 def _finite_flag(entries: Any) -> torch.Tensor | None:
-    """A 0-dim bool on the CPU: all pending values of ``entries`` finite (None if none is floating)."""
-    ents = _float_entries(entries)
-    if not ents:
+    """A 0-dim bool on the CPU: all pending values of ``entries`` finite (None if none is floating).
+
+    The values are grouped by device and dtype in C; each floating group is reduced by one
+    ``torch._foreach_norm(inf)``; one host sync for all.
+    """
+    values = [e.value for e in entries if e.value is not None]
+    if not values:
         return None
     flags = []
     with torch.no_grad():
-        grouped = _group_tensors_by_device_and_dtype([[e.value for e in ents]])
-        for (_dev, _dt), ([ts], _) in grouped.items():
-            norms = torch._foreach_norm(ts, math.inf)
-            flags.append(torch.stack(norms).isfinite().all().cpu())
-        return flags[0] if len(flags) == 1 else torch.stack(flags).all()
+        for (_dev, dt), ([ts], _) in _group_tensors_by_device_and_dtype([values]).items():
+            if dt.is_floating_point or dt.is_complex:
+                flags.append(torch.stack(torch._foreach_norm(ts, math.inf)).isfinite().all().cpu())
+    if not flags:
+        return None
+    return flags[0] if len(flags) == 1 else torch.stack(flags).all()
 
 
 def _nonfinite(entries: Any) -> list[Entry]:
@@ -443,4 +446,10 @@ def _nonfinite(entries: Any) -> list[Entry]:
     ok = _finite_flag(entries)
     if ok is None or bool(ok):
         return []
-    return [e for e in _float_entries(entries) if not bool(e.value.isfinite().all())]
+    return [
+        e
+        for e in entries
+        if e.value is not None
+        and (e.value.is_floating_point() or e.value.is_complex())
+        and not bool(e.value.isfinite().all())
+    ]

@@ -61,6 +61,8 @@ class Entry:
     swapped: bool = False  # a buffer slot holds the pending value
     sync: str | None = None  # "mean"/"sum" when an update of this step asked for it (distributed sync, rule 9)
     raw: torch.Tensor | None = None  # the target as a plain tensor, for the commit's writes
+    generation: int = -1  # the model index's generation it was made in
+    journal: Any = None  # the journal using it now (None: free to be reused by the next step)
 
     def current(self) -> torch.Tensor:
         return self.target if self.value is None else self.value
@@ -69,15 +71,25 @@ class Entry:
 class Journal:
     """The pending updates of one step of one model (with its optimizer)."""
 
-    def __init__(self, index: ModelIndex, optimizer: torch.optim.Optimizer | None, label: str) -> None:
+    def __init__(
+        self,
+        index: ModelIndex,
+        optimizer: torch.optim.Optimizer | None,
+        label: str,
+        reuse: dict[int, Entry] | None = None,
+    ) -> None:
         self.index = index
         self.optimizer = optimizer
         self.label = label
+        # Entries of earlier steps on the same model and optimizer, reused (their per-step state reset):
+        # a step of a model with many targets makes no new entry objects (benchmarks, launch-bound model).
+        self.reuse = reuse
         self.entries: dict[int, Entry] = {}
         self.aliases: dict[int, Entry] = {}  # id(pending value) -> its entry
         self.aliases_stale = False  # set when a compiled graph installed pending values
         self.order: list[tuple[Entry, Record]] = []
         self.by_phase: dict[str, list[Entry]] = {}  # phase -> the entries with records in it
+        self.synced: list[Entry] = []  # the entries with a sync= update (distributed sync, rule 9)
         self.shown = False  # some pending value is shown (hide() has something to do)
         self.state = "open"  # open -> committing -> closed
         self.done_phases: set[str] = set()
@@ -273,8 +285,9 @@ class Journal:
             if bucket is None:
                 bucket = self.by_phase[phase] = []
             bucket.append(e)  # (no id() of an entry: dynamo cannot replay the id of an object it made)
-        if sync is not None:
+        if sync is not None and e.sync is None:
             e.sync = sync
+            self.synced.append(e)
         self.order.append((e, rec))
         self.set_value(e, new, compiling)
 
@@ -317,9 +330,14 @@ class Journal:
             return
         self.shown = False
         for e in self.entries.values():
-            if e.shows is not None:
-                overlay.hide(e, e.value, e)
+            slots = e.slots
+            if slots is not None:  # overlay.hide, inlined: this loop runs over every target, every step
+                value = e.value
+                if value is not None and slots.get(e.attr) is value:
+                    slots[e.attr] = e.target
                 e.swapped = False
+            elif e.shows is not None:
+                overlay.hide(e, e.value, e)
 
     def show_pending(self) -> None:
         """Show the values still pending (those of phases not committed yet) again."""
@@ -330,4 +348,11 @@ class Journal:
     def discard(self) -> None:
         """Drop every pending update; storage was never touched."""
         self.hide()
+        self.close()
+
+    def close(self) -> None:
+        """The step is over: its entries may serve the next one."""
         self.state = "closed"
+        if self.reuse is not None:
+            for e in self.entries.values():
+                e.journal = None

@@ -43,20 +43,21 @@ from .targets import ModelIndex, index_of
 _CACHES: weakref.WeakKeyDictionary[ModelIndex, list[Any]] = weakref.WeakKeyDictionary()
 
 
-def commit_caches(index: ModelIndex, optimizer: torch.optim.Optimizer | None) -> tuple[SnapshotPool, RuleSet]:
-    """The rollback copies and the rule set of ``(model, optimizer)``, shared by every ``pu.step``,
-    ``Stepper`` and attachment on them (commits on one model run one at a time; a commit nested in
-    another's optimizer step takes fresh copies, see ``rollback``). They live as long as both do."""
+def commit_caches(index: ModelIndex, optimizer: torch.optim.Optimizer | None) -> tuple[SnapshotPool, RuleSet, dict]:
+    """The rollback copies, the rule set and the journal entries for reuse of ``(model, optimizer)``,
+    shared by every ``pu.step``, ``Stepper`` and attachment on them (commits on one model run one at a
+    time; a commit nested in another's optimizer step takes fresh copies, see ``rollback``; an entry
+    in use by one journal is not handed to another). They live as long as both do."""
     per = _CACHES.get(index)
     if per is None:
         per = _CACHES[index] = [None, weakref.WeakKeyDictionary()]
     if optimizer is None:
         if per[0] is None:
-            per[0] = (SnapshotPool(), RuleSet())
+            per[0] = (SnapshotPool(), RuleSet(), {})
         return per[0]
     caches = per[1].get(optimizer)
     if caches is None:
-        caches = per[1][optimizer] = (SnapshotPool(), RuleSet())
+        caches = per[1][optimizer] = (SnapshotPool(), RuleSet(), {})
     return caches
 
 
@@ -79,11 +80,18 @@ class _Owner:
         self._closed = 0
         self._last = Schedule()
         self._last_skipped = False
+        self._reuse_entries = commit_caches(self.index, optimizer)[2]
 
     def _commit(self, journal: Journal, optimizer: torch.optim.Optimizer | None) -> Commit:
         c = Commit(journal, optimizer, self.options, commit_caches(self.index, optimizer), self._closed)
         self._closed += 1
         return c
+
+    def _reuse(self) -> dict:
+        """The entries of earlier steps on this model and optimizer, for a new journal to reuse
+        (looked up once, at construction: an attachment opens journals inside a forward dynamo
+        may trace, where a cache lookup would be guarded on)."""
+        return self._reuse_entries
 
     def _committed(self, c: Commit) -> None:
         """Count a finished commit and keep its plan."""
@@ -210,7 +218,7 @@ class Stepper(_Owner):
                 f"({other.label}, for {type(other.index.model).__name__}); pu.step blocks do not nest. "
                 "Finish the outer step first, or open one step on a module that contains both models."
             )
-        j = Journal(self.index, self.optimizer, f"pu.step at {site}")
+        j = Journal(self.index, self.optimizer, f"pu.step at {site}", self._reuse())
         self._journal = j
         context.explicit.append(j)
         return j
@@ -357,7 +365,7 @@ class Attachment(_Owner):
             return (self.journal, e) if e is not None else (None, None)
         if self.index.lookup(t) is None:
             return None, None
-        self.journal = Journal(self.index, self.optimizer, f"pu.attach({type(self.model).__name__})")
+        self.journal = Journal(self.index, self.optimizer, f"pu.attach({type(self.model).__name__})", self._reuse())
         return self.journal, self.journal.find(t, True, compiling)
 
     def _owned_elsewhere(self, t: torch.Tensor) -> bool:
@@ -410,7 +418,7 @@ class Attachment(_Owner):
             return None
         self._recover()  # the previous optimizer.step() raised, called around the wrapper
         if self.journal is None:
-            self.journal = Journal(self.index, self.optimizer, f"pu.attach({type(self.model).__name__})")
+            self.journal = Journal(self.index, self.optimizer, f"pu.attach({type(self.model).__name__})", self._reuse())
         c = self.commit = self._commit(self.journal, optimizer)
         self._step_calls = self._calls
         self._hooks_running = True

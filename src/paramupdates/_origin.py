@@ -15,6 +15,14 @@ _USER_SUBDIRS = tuple(_PKG_DIR + d + os.sep for d in ("nn",))
 _USER_FILES = (_PKG_DIR + "demo.py",)
 _TORCH_DIR = os.path.dirname(os.path.abspath(sys.modules["torch"].__file__)) + os.sep
 _CWD = os.getcwd() + os.sep
+# Files of a framework between the user's line and paramupdates (e.g. RETURNN's
+# ``rf.Parameter.assign``), registered by its integration: skipped like our own.
+_FRAMEWORK_FILES: set[str] = set()
+
+
+def register_internal_files(*paths: str) -> None:
+    """Skip frames of these source files in :func:`call_site` (a framework's plumbing)."""
+    _FRAMEWORK_FILES.update(os.path.abspath(p) for p in paths)
 
 
 def _is_internal(filename: str) -> bool:
@@ -23,6 +31,7 @@ def _is_internal(filename: str) -> bool:
     return ( filename.startswith(_TORCH_DIR)
         or filename.startswith("<frozen")
         or "contextlib.py" in filename
+        or filename in _FRAMEWORK_FILES
     )
 
 

@@ -361,12 +361,12 @@ class _SegNet(rf.Module):
         return self.bn(self.lin(x))
 
     def __call__(self, x: Tensor) -> Tensor:
-        return checkpointed(self.ckpt, self.segment, x, _HID)
+        return checkpointed(self.ckpt, self.segment, x, _IN, _HID)
 
 
-def checkpointed(ckpt: str, fn: Any, x: Tensor, out_feature: Dim) -> Tensor:
-    """``fn(x)`` without checkpointing, under ``torch.utils.checkpoint`` (``"torch"``, ``"reentrant"``)
-    or under ``rf.gradient_checkpoint_scope`` (``"gcs"``)."""
+def checkpointed(ckpt: str, fn: Any, x: Tensor, in_feature: Dim, out_feature: Dim) -> Tensor:
+    """``fn(x)`` (``in_feature`` -> ``out_feature``) without checkpointing, under ``torch.utils.checkpoint``
+    (``"torch"``, ``"reentrant"``) or under ``rf.gradient_checkpoint_scope`` (``"gcs"``)."""
     if ckpt == "none":
         return fn(x)
     if ckpt == "gcs":
@@ -375,10 +375,11 @@ def checkpointed(ckpt: str, fn: Any, x: Tensor, out_feature: Dim) -> Tensor:
     dims = list(x.dims)
 
     def raw_fn(x_raw: torch.Tensor) -> torch.Tensor:
-        return fn(rf.convert_to_tensor(x_raw, dims=dims, feature_dim=x.feature_dim)).raw_tensor
+        y = fn(rf.convert_to_tensor(x_raw, dims=dims, feature_dim=in_feature))
+        return y.copy_transpose([out_feature if d == in_feature else d for d in dims]).raw_tensor
 
     y_raw = torch.utils.checkpoint.checkpoint(raw_fn, x.raw_tensor, use_reentrant=ckpt == "reentrant")
-    y_dims = [out_feature if d == x.feature_dim else d for d in dims]
+    y_dims = [out_feature if d == in_feature else d for d in dims]
     return rf.convert_to_tensor(y_raw, dims=y_dims, feature_dim=out_feature)
 
 
@@ -444,7 +445,7 @@ class _ReadAssignNet(rf.Module):
         return y + x * rf.copy(self.s)
 
     def __call__(self, x: Tensor) -> Tensor:
-        return checkpointed(self.ckpt, self.segment, x, _IN)
+        return checkpointed(self.ckpt, self.segment, x, _IN, _IN)
 
 
 def _read_assign_grad(ckpt: str, *, on: bool) -> tuple[float, float]:
@@ -489,6 +490,43 @@ def test_gcs_replay_needs_subclass_dispatch_disabled(bridge):
         assert x_raw.grad[0].item() == 5.0
     finally:
         gcs._Graph.maybe_recompute = patched
+
+
+_GCS_THEN_TORCH_CHECKPOINT = """
+import sys, torch
+import paramupdates.returnn as pur
+from returnn.torch.util.gradient_checkpoint import gradient_checkpoint_scope
+if sys.argv[1] == "on":
+    pur.enable()
+x = torch.ones(3, requires_grad=True)
+with gradient_checkpoint_scope():
+    y = x * 2
+    w = x + 1  # recorded, never saved for backward (like a pending value made in the scope)
+(y * y).sum().backward()
+del y, w
+out = torch.utils.checkpoint.checkpoint(lambda a: (a * 3).sin(), x, use_reentrant=False)
+print("result", out.sum().item())
+"""
+
+
+def test_gcs_cleanup_then_torch_checkpoint():
+    """A gcs scope whose last recorded tensor was never saved for backward, then torch.utils.checkpoint:
+    RETURNN alone raises "saved_tensors_hooks __exit__ mismatch" (the scope's cleanup runs inside the next
+    saved_tensors_hooks' __enter__, after `with` bound RETURNN's __exit__); the bridge makes that __exit__
+    the original one. With the bridge such scopes are common (pending values are made in them). Fresh
+    interpreters: RETURNN's scopes that saw in-place writes of parameters stay registered for good."""
+    import subprocess
+    import sys
+
+    def run(mode: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", _GCS_THEN_TORCH_CHECKPOINT, mode], capture_output=True,
+                              text=True, timeout=300)
+
+    plain = run("off")
+    assert plain.returncode != 0 and "saved_tensors_hooks __exit__ mismatch" in plain.stderr
+    ours = run("on")
+    assert ours.returncode == 0, ours.stderr
+    assert float(ours.stdout.split()[-1]) == pytest.approx(3 * torch.sin(torch.tensor(3.0)).item())
 
 
 def test_reentrant_checkpoint_in_step_raises_and_changes_nothing(bridge):
@@ -702,11 +740,11 @@ class EngineModel(rf.Module):
         self.lin.weight.weight_decay = self.out.weight.weight_decay = weight_decay
 
     def segment(self, x: Tensor) -> Tensor:
-        self.count.assign_add(1)
+        self.count.assign_add(1)  # the Engine model's counter
         return self.bn(self.lin(self.bn_in(x)))
 
     def __call__(self, x: Tensor) -> Tensor:
-        return self.out(rf.relu(checkpointed(self.ckpt, self.segment, x, _E_HID)))
+        return self.out(rf.relu(checkpointed(self.ckpt, self.segment, x, _E_IN, _E_HID)))
 
 
 class GetEngineModel:
@@ -806,7 +844,8 @@ def test_engine_bridge_equals_returnn_without_checkpointing(tmp_path_factory):
     assert [(r.phase, r.target) for r in rows] == [
         ("grad", "<optimizer parameters>"), ("auxiliary", "count"), ("auxiliary", "bn_in.running_mean"),
         ("auxiliary", "bn_in.running_variance"), ("auxiliary", "bn.running_mean"), ("auxiliary", "bn.running_variance")]
-    assert rows[1].origin.endswith(f"{HERE}:{_line_of('        self.count.assign_add(1)')}")
+    counter_line = _line_of("the Engine model's counter")
+    assert rows[1].origin.endswith(f"{HERE}:{counter_line}")
     assert re.search(r"returnn/frontend/normalization.py:\d+$", rows[4].origin)
 
 

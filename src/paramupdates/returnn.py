@@ -303,6 +303,26 @@ def _maybe_recompute(self: Any) -> Any:
         return _ORIG["maybe_recompute"](self)
 
 
+def _saved_tensors_hooks_exit(self: Any, *exc: Any) -> Any:
+    """RETURNN's ``saved_tensors_hooks.__exit__`` while a ``gradient_checkpoint_scope`` outlives its block,
+    made tolerant of its own cleanup.
+
+    While such a scope waits for its recorded tensors to die, RETURNN replaces
+    ``saved_tensors_hooks.__enter__/__exit__``; the ``__enter__`` of the next
+    ``with saved_tensors_hooks(...)`` (``torch.utils.checkpoint``'s) may find them
+    dead and restore the originals, but ``with`` bound the replaced ``__exit__``
+    before ``__enter__`` ran, and that one raises "saved_tensors_hooks __exit__
+    mismatch". RETURNN alone hits it when the last recorded tensor of a scope
+    was never saved for backward; with the bridge that is common (pending
+    values are made in the scope and dropped at commit). Such an exit is now
+    the original one.
+    """
+    tls = _rt_gcs._custom_saved_tensors_hooks_tls_ctx
+    if not getattr(tls, "active", False) and self not in (getattr(tls, "stack", None) or ()):
+        return _rt_gcs._orig_saved_tensors_hooks_exit(self, *exc)
+    return _ORIG["saved_tensors_hooks_exit"](self, *exc)
+
+
 # ---------------------------------------------------------------------------
 # enable / disable
 # ---------------------------------------------------------------------------
@@ -315,6 +335,7 @@ _PATCHES: tuple[tuple[Any, str, str, Callable[..., Any], bool], ...] = (
     (_TorchBackend, "batch_norm", "batch_norm", _batch_norm, True),
     (_RFModuleAsPTModule, "_apply", "_apply", _module_apply, False),
     (_rt_gcs._Graph, "maybe_recompute", "maybe_recompute", _maybe_recompute, False),
+    (_rt_gcs, "_custom_saved_tensors_hooks_exit", "saved_tensors_hooks_exit", _saved_tensors_hooks_exit, False),
 )
 _ORIG: dict[str, Callable[..., Any]] = {}
 _SAVED: dict[str, Any] = {}  # the class attributes as found (descriptors), restored by disable()
@@ -335,8 +356,9 @@ def enable() -> None:
     Patches (class attributes, restored by :func:`disable`):
     ``TorchBackend.create_parameter_raw`` / ``parameter_assign`` /
     ``parameter_assign_key`` / ``parameter_move_to`` / ``batch_norm``,
-    ``RFModuleAsPTModule._apply``, and ``_Graph.maybe_recompute`` of
-    ``returnn.torch.util.gradient_checkpoint``. Idempotent. Parameters
+    ``RFModuleAsPTModule._apply``, and in ``returnn.torch.util.gradient_checkpoint``
+    ``_Graph.maybe_recompute`` and ``_custom_saved_tensors_hooks_exit`` (see
+    :func:`_saved_tensors_hooks_exit`). Idempotent. Parameters
     created before this call keep plain ``torch.nn.Parameter`` raw tensors:
     their updates stay eager outside a step and raise inside one, so enable
     before the model is built.
@@ -348,14 +370,15 @@ def enable() -> None:
             if attr not in owner.__dict__:
                 _restore()
                 raise RuntimeError(
-                    f"paramupdates.returnn.enable(): {owner.__module__}.{owner.__qualname__}.{attr} does not exist "
-                    f"in this RETURNN version; the bridge is tested with RETURNN 1.20261022. Disable the bridge "
-                    "or pin that RETURNN version."
+                    f"paramupdates.returnn.enable(): {_qualname(owner)}.{attr} does not exist in this RETURNN "
+                    "version; the bridge is tested with RETURNN 1.20261022. Disable the bridge or pin that "
+                    "RETURNN version."
                 )
             found = owner.__dict__[attr]
-            _SAVED[f"{owner.__qualname__}.{attr}"] = (owner, attr, found)
+            _SAVED[f"{_qualname(owner)}.{attr}"] = (owner, attr, found)
             _ORIG[key] = getattr(owner, attr)
             setattr(owner, attr, staticmethod(repl) if static else repl)
+        _swap_live_saved_tensors_hooks_exit(_ORIG["saved_tensors_hooks_exit"], _saved_tensors_hooks_exit)
 
 
 def disable() -> None:
@@ -366,9 +389,22 @@ def disable() -> None:
 
 
 def _restore() -> None:
+    if "saved_tensors_hooks_exit" in _ORIG:
+        _swap_live_saved_tensors_hooks_exit(_saved_tensors_hooks_exit, _ORIG["saved_tensors_hooks_exit"])
     for owner, attr, found in _SAVED.values():
         setattr(owner, attr, found)
     _SAVED.clear()
+
+
+def _swap_live_saved_tensors_hooks_exit(old: Any, new: Any) -> None:
+    """RETURNN installs its ``__exit__`` on ``saved_tensors_hooks`` while a scope waits; swap that one too."""
+    hooks = torch.autograd.graph.saved_tensors_hooks
+    if hooks.__dict__.get("__exit__") is old:
+        hooks.__exit__ = new
+
+
+def _qualname(owner: Any) -> str:
+    return getattr(owner, "__qualname__", None) or owner.__name__
 
 
 # ---------------------------------------------------------------------------
@@ -475,7 +511,8 @@ def constrain(params: Any, constraint: Any) -> Any:
 # ---------------------------------------------------------------------------
 # RETURNN's Engine: config entries
 # ---------------------------------------------------------------------------
-_ATTACHED: weakref.WeakKeyDictionary[Any, Attachment] = weakref.WeakKeyDictionary()
+# model / rf model / optimizer -> the attachment made for them (weakly both ways: the attachment holds the model)
+_ATTACHED: weakref.WeakKeyDictionary[Any, weakref.ref[Attachment]] = weakref.WeakKeyDictionary()
 
 
 class _Setup:
@@ -607,7 +644,7 @@ def _attach_engine_optimizer(setup: _Setup, opt: torch.optim.Optimizer) -> None:
     att = _pu_attach(model, opt, **setup.attach_opts)
     for key in (model, setup.rf_model, opt):
         if key is not None:
-            _ATTACHED[key] = att
+            _ATTACHED[key] = weakref.ref(att)
     setup.model = setup.rf_model = None  # the attachment holds them; this config entry does not
 
 
@@ -630,9 +667,10 @@ def attachment(obj: Any) -> Attachment | None:
     if hasattr(obj, "get_pt_optimizer"):
         obj = obj.get_pt_optimizer()
     try:
-        return _ATTACHED.get(obj)
+        ref = _ATTACHED.get(obj)
     except TypeError:  # not weak-referenceable
         return None
+    return None if ref is None else ref()
 
 
 def flush(obj: Any) -> None:

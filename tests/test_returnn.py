@@ -36,6 +36,7 @@ from returnn.torch.frontend.bridge import rf_module_to_pt_module  # noqa: E402
 
 import paramupdates as pu  # noqa: E402
 import paramupdates.returnn as pur  # noqa: E402
+from paramupdates.integrations import returnn as prt  # noqa: E402
 
 from conftest import bits  # noqa: E402
 
@@ -481,7 +482,7 @@ def test_gcs_replay_needs_subclass_dispatch_disabled(bridge):
     import returnn.torch.util.gradient_checkpoint as gcs
 
     patched = gcs._Graph.maybe_recompute
-    gcs._Graph.maybe_recompute = pur._ORIG["maybe_recompute"]
+    gcs._Graph.maybe_recompute = prt._ORIG["maybe_recompute"]
     try:
         net = _ReadAssignNet("gcs")
         x_raw = torch.ones(3, requires_grad=True)

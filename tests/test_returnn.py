@@ -622,6 +622,23 @@ def test_assign_key_routed(bridge):
     assert [r.op for r in s.schedule()] == ["assign_key", "assign_key"]
 
 
+def test_pu_when_in_rf_code(bridge):
+    """pu.when with a 0-dim bool rf tensor's raw tensor: where(pred, new, old), no host sync; eagerly too."""
+    holder = rf.Module()
+    holder.count = rf.Parameter((), dtype="int32", auxiliary=True)
+    holder.count.initial = 0
+    pt = rf_module_to_pt_module(holder)
+    for flag, want in ((True, 1), (False, 1), (True, 2)):
+        pred = rf.convert_to_tensor(torch.tensor(flag), dims=())
+        with pu.step(pt) as s, pu.when(pred.raw_tensor):
+            holder.count.assign_add(1)
+        assert holder.count.raw_tensor.item() == want
+        assert [r.condition for r in s.schedule()] == ["when(tensor)"]
+    with pu.when(rf.convert_to_tensor(torch.tensor(True), dims=()).raw_tensor):
+        holder.count.assign_add(1)
+    assert holder.count.raw_tensor.item() == 3
+
+
 def test_parameter_made_before_enable_raises_inside_step():
     d = Dim(3, name="d")
     holder = rf.Module()

@@ -988,6 +988,22 @@ def test_engine_weight_decay_equals_returnn_adamw(tmp_path_factory, accum):
     assert ours["updates"] == returnn_adamw["updates"] == 6 // accum
     plain_adam = engine_run(tmp_path_factory, on=False, accum=accum)
     assert not torch.equal(ours["state"]["lin.weight"], plain_adam["state"]["lin.weight"])
+    if accum == 1:  # RETURNN's own weight-decay grouping, through pur.optimizer's param_groups_custom
+        ours_adamw = engine_run(tmp_path_factory, on=True, accum=accum, optimizer=(
+            ("class", "adamw"), ("weight_decay", 0.05), ("weight_decay_custom_include_check", _wd_include)))
+        _assert_bitwise(ours_adamw["state"], returnn_adamw["state"], "RETURNN's AdamW groups with the bridge")
+
+
+def test_engine_optimizer_needs_enable(tmp_path):
+    config = Config(dict(task="train", device="cpu", model=str(tmp_path / "model"),
+                         extern_data={"data": {"dims": [batch_dim, _E_TIME, _E_IN], "dtype": "float32"},
+                                      "classes": {"dims": [batch_dim, _E_TIME], "sparse_dim": _E_OUT,
+                                                  "dtype": "int32"}},
+                         get_model=GetEngineModel("none"), train_step=engine_train_step,
+                         optimizer=pur.optimizer("adam"), batch_size=300, torch_dataloader_opts={"num_workers": 0}))
+    dataset = init_dataset({"class": "Task12AXDataset", "num_seqs": 4, "name": "train", "fixed_random_seed": 1})
+    with global_config_ctx(config), pytest.raises(pu.UpdateError, match=r"not enabled.*enable\(\) at the top"):
+        Engine(config=config).init_train_from_config(train_data=dataset)
 
 
 @pytest.mark.parametrize("key,value", [("torch_optimizer_step", {}), ("torch_cuda_graph", {})])

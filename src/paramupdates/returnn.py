@@ -149,7 +149,7 @@ def assign_key(param: Any, axis: Any, key: Any, key_dim: Any, value: Any, *, pha
     """``param[key] <- value`` along ``axis``: ``rf.Parameter.assign_key`` with a phase (see :func:`phase`)."""
     _rt.check_phase(phase, "paramupdates.returnn.assign_key")
     raw, value = _rt.raw_and_value(param, value)
-    key_raw, res_dims = _rt._rf_utils.strided_slice_raw_key(param, axis, key, key_dim)
+    key_raw, res_dims = _rt.key_raw(param, axis, key, key_dim)
     _rt.issue(raw, "assign_key", value.copy_compatible_to_dims_raw(res_dims), key_raw, ph=phase)
 
 

@@ -330,6 +330,11 @@ def raw_and_value(param: Any, value: Any) -> tuple[torch.Tensor, Any]:
     return param.raw_tensor, value
 
 
+def key_raw(param: Any, axis: Any, key: Any, key_dim: Any) -> tuple[Any, Any]:
+    """The raw index of ``param[key]`` along ``axis`` and the dims of that slice (as RETURNN computes them)."""
+    return _rf_utils.strided_slice_raw_key(param, axis, key, key_dim)
+
+
 def named_rf_params(params: Any) -> list[tuple[str, Any]]:
     """``(qualified name, rf.Parameter)`` of an rf module, its torch wrapper, one parameter, or an iterable."""
     if isinstance(params, RFModuleAsPTModule):
@@ -371,6 +376,12 @@ class _Setup:
 
     def __call__(self, *, model: torch.nn.Module, rf_model: Any = None, optimizer_class: Any = None,
                  optimizer_opts: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+        if not installed():
+            raise UpdateError(
+                "paramupdates.returnn.optimizer: the bridge is not enabled, so the model's rf updates would write "
+                "in place, unseen by the attachment. Call paramupdates.returnn.enable() at the top of the config "
+                "(before get_model builds the model)."
+            )
         _check_engine_config()
         self.model, self.rf_model = model, rf_model
         if self.user_groups is not None:

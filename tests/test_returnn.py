@@ -965,16 +965,18 @@ def test_engine_resume_is_bitwise(tmp_path):
     """Two epochs in one run == one epoch, a new Engine loading RETURNN's checkpoint, a second epoch:
     model and optimizer state, bitwise (bridge on, checkpointed segment, accumulation 4)."""
     kw = dict(on=True, ckpt="torch", accum=4)
-    run_engine(str(tmp_path / "a"), num_epochs=2, **kw)
-    run_engine(str(tmp_path / "b"), num_epochs=1, **kw)
-    run_engine(str(tmp_path / "b"), num_epochs=2, **kw)  # starts at epoch 2 from model.001
-    for suffix in ("model.002.pt", "model.002.opt.pt"):
-        a = torch.load(tmp_path / "a" / suffix, weights_only=False)
-        b = torch.load(tmp_path / "b" / suffix, weights_only=False)
-        key = "model" if "opt" not in suffix else "optimizer"
-        _assert_bitwise(a[key] if key == "model" else a[key]["state"], b[key] if key == "model" else b[key]["state"],
-                        suffix)
-    assert torch.load(tmp_path / "b" / "model.002.pt", weights_only=False)["model"]["count"].item() == 12
+    whole = run_engine(str(tmp_path / "a"), num_epochs=2, **kw)
+    first = run_engine(str(tmp_path / "b"), num_epochs=1, **kw)
+    resumed = run_engine(str(tmp_path / "b"), num_epochs=2, **kw)  # loads model.001 and trains epoch 2 only
+    assert (whole["updates"], first["updates"], resumed["updates"]) == (2, 1, 1)
+    assert resumed["steps"] == whole["steps"] == 12
+    a = torch.load(tmp_path / "a" / "model.002.pt", weights_only=False)
+    b = torch.load(tmp_path / "b" / "model.002.pt", weights_only=False)
+    _assert_bitwise(a["model"], b["model"], "model")
+    assert b["model"]["count"].item() == 12
+    a = torch.load(tmp_path / "a" / "model.002.opt.pt", weights_only=False)
+    b = torch.load(tmp_path / "b" / "model.002.opt.pt", weights_only=False)
+    _assert_bitwise(a["optimizer"]["state"], b["optimizer"]["state"], "optimizer")
 
 
 @pytest.mark.parametrize("accum", [1, 2])

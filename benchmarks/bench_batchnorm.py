@@ -18,8 +18,14 @@ import paramupdates as pu
 def cnn(bn):
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1), bn(16), nn.ReLU(),
-        nn.Conv2d(16, 32, 3, padding=1), bn(32), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Conv2d(3, 16, 3, padding=1),
+        bn(16),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1),
+        bn(32),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
         nn.Linear(32, 10),
     )
 

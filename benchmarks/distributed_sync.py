@@ -93,7 +93,9 @@ def _worker(rank: int, port: int, layers: int, channels: int, iters: int) -> Non
         flat.div_(world)
         dst = [bn.running_mean for bn in mods] + [bn.running_var for bn in mods]
         torch._foreach_copy_(dst, list(flat.split([t.numel() for t in dst])))
-        torch._foreach_copy_([bn.num_batches_tracked for bn in mods], list(torch.div(cnt, world, rounding_mode="floor")))
+        torch._foreach_copy_(
+            [bn.num_batches_tracked for bn in mods], list(torch.div(cnt, world, rounding_mode="floor"))
+        )
 
     stepper = pu.Stepper(model)
 

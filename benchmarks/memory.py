@@ -9,7 +9,7 @@ compared with the bytes of the tensors the step actually updates (parameters,
 optimizer state, running statistics): the goal is at most one extra copy
 (the commit's rollback snapshot, plus the pending values that replace the
 in-place writes). On CPU the rollback copies live in buffers kept between
-commits (``paramupdates._snapshot``): they are live when the step begins, so
+commits (``paramupdates.rollback``): they are live when the step begins, so
 they are added to pu's peaks here.
 """
 
@@ -24,6 +24,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import paramupdates as pu
+from paramupdates.step import commit_caches
 
 from .models import pu_batchnorm
 from .step_overhead import _data, build
@@ -104,7 +105,9 @@ def _measure(variant: str, bn: type[nn.Module], x, y) -> tuple[int, int, int]:
         for _ in range(2):
             fn()
         peaks = [peak_bytes(fn) for _ in range(3)]
-        kept = owner._pool.nbytes() if owner is not None else 0  # live before the step begins
+        kept = (
+            commit_caches(owner.index, owner.optimizer)[0].nbytes() if owner is not None else 0
+        )  # live before the step begins
     finally:
         if isinstance(owner, pu.Attachment):
             owner.detach()

@@ -21,7 +21,7 @@ median of the rounds):
   weights of each row length, one per large weight);
 * ``foreach + checks``: ``foreach`` plus one pass over the storage of the tensors the
   rules touch and one over the decayed weights' gradients: the least that a commit
-  which validates before writing (DESIGN rule 7) adds, i.e. the floor of pu / foreach;
+  which validates before writing (DESIGN validated commit (rule 7)) adds, i.e. the floor of pu / foreach;
 
 Part A isolates the rules: the optimizer's ``step`` does nothing (so the time is
 the rules plus what pu adds). Part B adds a real ``SGD(foreach=True)`` step to
@@ -182,14 +182,20 @@ def report(title: str, med: dict[str, float]) -> None:
     for k, v in med.items():
         print(f"  {k:<18} {v * 1e3:8.3f} ms")
     ceiling = med["loop"] / med["foreach"]
-    print(f"  ceiling: loop / bare foreach = {ceiling:5.2f}x (the most any library built on torch's foreach "
-          "kernels reaches here)")
-    print(f"  floor: (foreach + checks) / foreach = {med['foreach + checks'] / med['foreach']:5.3f}x (the least a commit "
-          "that validates before writing adds)")
+    print(
+        f"  ceiling: loop / bare foreach = {ceiling:5.2f}x (the most any library built on torch's foreach "
+        "kernels reaches here)"
+    )
+    print(
+        f"  floor: (foreach + checks) / foreach = {med['foreach + checks'] / med['foreach']:5.3f}x (the least a commit "
+        "that validates before writing adds)"
+    )
     for flag in ("True", "False"):
         p = med[f"pu (atomic={flag})"]
-        print(f"  atomic={flag:<5}: loop / pu = {med['loop'] / p:5.2f}x (goal >= 3)   "
-              f"pu / foreach = {p / med['foreach']:5.3f}x (goal <= 1.10)")
+        print(
+            f"  atomic={flag:<5}: loop / pu = {med['loop'] / p:5.2f}x (goal >= 3)   "
+            f"pu / foreach = {p / med['foreach']:5.3f}x (goal <= 1.10)"
+        )
 
 
 def main() -> None:
@@ -204,9 +210,11 @@ def main() -> None:
     t0 = time.perf_counter()
     for SIZE in args.sizes.split(","):
         ps = list(make_model().parameters())
-        print(f"\n=== {SIZE}: torch {torch.__version__}, {torch.get_num_threads()} thread(s); {len(ps)} parameter "
-              f"tensors, {sum(p.numel() for p in ps) / 1e6:.2f} M elements; {sum(p.ndim == 2 for p in ps)} decayed "
-              f"and max-normed, {len(ps)} averaged; median of {args.rounds} rounds x {args.iters} steps")
+        print(
+            f"\n=== {SIZE}: torch {torch.__version__}, {torch.get_num_threads()} thread(s); {len(ps)} parameter "
+            f"tensors, {sum(p.numel() for p in ps) / 1e6:.2f} M elements; {sum(p.ndim == 2 for p in ps)} decayed "
+            f"and max-normed, {len(ps)} averaged; median of {args.rounds} rounds x {args.iters} steps"
+        )
         report("A. rules only (optimizer step is a no-op)", bench(False, args.rounds, args.iters))
         report("B. with a real SGD(foreach=True) step", bench(True, args.rounds, args.iters))
         pu.rules.base._RULES.clear()

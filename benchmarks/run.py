@@ -51,15 +51,25 @@ def _rules_rows(repeats: int) -> list[dict]:
             med = mod.bench(real_opt, max(3, repeats), 5)
             base._RULES.clear()  # the rules declared on the benchmark's models
             pu_t = med["pu (atomic=True)"]
-            out.append({
-                "bench": f"{title} ({size}, {part})", "variant": "loop / pu", "value": med["loop"] / pu_t,
-                "goal": 3.0, "higher_is_better": True,
-                "note": f"{pu_t * 1e3:.2f} vs {med['loop'] * 1e3:.2f} ms (wall clock; medians only)",
-            })
-            out.append({
-                "bench": f"{title} ({size}, {part})", "variant": "pu / bare foreach", "value": pu_t / med["foreach"],
-                "goal": 1.10, "note": f"{pu_t * 1e3:.2f} vs {med['foreach'] * 1e3:.2f} ms",
-            })
+            out.append(
+                {
+                    "bench": f"{title} ({size}, {part})",
+                    "variant": "loop / pu",
+                    "value": med["loop"] / pu_t,
+                    "goal": 3.0,
+                    "higher_is_better": True,
+                    "note": f"{pu_t * 1e3:.2f} vs {med['loop'] * 1e3:.2f} ms (wall clock; medians only)",
+                }
+            )
+            out.append(
+                {
+                    "bench": f"{title} ({size}, {part})",
+                    "variant": "pu / bare foreach",
+                    "value": pu_t / med["foreach"],
+                    "goal": 1.10,
+                    "note": f"{pu_t * 1e3:.2f} vs {med['foreach'] * 1e3:.2f} ms",
+                }
+            )
         return out
     argv = sys.argv
     sys.argv = [mod.__file__]
@@ -111,8 +121,12 @@ def machine() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repeats", type=int, default=15, help="timed repeats of the step benchmark (default 15; fewer for the others)")
-    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: steadier on a shared machine)")
+    ap.add_argument(
+        "--repeats", type=int, default=15, help="timed repeats of the step benchmark (default 15; fewer for the others)"
+    )
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads (default 1: steadier on a shared machine)"
+    )
     ap.add_argument("--wall", action="store_true", help="time wall clock instead of process CPU time")
     ap.add_argument("--only", choices=["step", "rules", "memory", "checkpoint"], action="append")
     args = ap.parse_args(argv)
@@ -134,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         rows += checkpointed.run(repeats=max(3, args.repeats // 3))
     print(f"\nparamupdates benchmarks: {machine()}")
     clock = "wall-clock" if args.wall else "CPU"
-    print(f"ratios of {clock} time: paramupdates / reference, median and range over paired repeats ({args.repeats} for the step benchmark)\n")
+    print(
+        f"ratios of {clock} time: paramupdates / reference, median and range over paired repeats ({args.repeats} for the step benchmark)\n"
+    )
     print(table(rows))
     print(f"\n({time.perf_counter() - t0:.0f} s)")
     return 0

@@ -6,7 +6,7 @@ statistics in place in forward; ``loss.backward(); opt.step()``) against the
 same model with update-safe batch norm whose 63 statistics updates per step
 go through a ``pu.step`` transaction (recorded, validated, snapshotted,
 committed with foreach kernels) or through ``pu.attach`` (an unchanged loop).
-Same weights, same data; goal <= 1.03x (DESIGN.md, performance contract).
+Same weights, same data; goal <= 1.03x (docs/design.md, performance contract).
 """
 
 from __future__ import annotations
@@ -44,7 +44,9 @@ class Parts:
         return tuple(statistics.median(z) for z in zip(*self.samples))  # type: ignore[return-value]
 
 
-def eager_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, parts: Parts | None = None) -> Callable[[], None]:
+def eager_step(
+    model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, parts: Parts | None = None
+) -> Callable[[], None]:
     clock = time.process_time
 
     def run() -> None:

@@ -16,7 +16,9 @@ def use_wall_clock(wall: bool) -> None:
     CLOCK = time.perf_counter if wall else time.process_time
 
 
-def interleaved(variants: dict[str, Callable[[], None]], *, repeats: int, steps: int, warmup: int = 2) -> dict[str, list[float]]:
+def interleaved(
+    variants: dict[str, Callable[[], None]], *, repeats: int, steps: int, warmup: int = 2
+) -> dict[str, list[float]]:
     """Seconds per call of each variant, one sample per repeat.
 
     The clock is the process's CPU time by default: on a machine shared with

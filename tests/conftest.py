@@ -1,18 +1,12 @@
 import pytest
 import torch
 
-from paramupdates import _state
-from paramupdates.rules import base as rules_base
+import paramupdates as pu
 
 
 def reset_pu() -> None:
     """Forget every step in progress, attachment and declared rule (also used by child processes)."""
-    for att in list(_state.attachments):
-        att.detach()
-    _state.explicit.clear()
-    _state.pu_pending.clear()
-    _state.replay = None
-    rules_base._RULES.clear()
+    pu.testing.reset()
     torch.manual_seed(0)
 
 

@@ -34,14 +34,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, outdir: str, pg_timeout: float,
-           hard_exit: bool, args: tuple) -> None:
+def _entry(
+    rank: int,
+    fn: Callable[..., Any],
+    world: int,
+    port: int,
+    outdir: str,
+    pg_timeout: float,
+    hard_exit: bool,
+    args: tuple,
+) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)  # 2 processes on a shared CPU; also makes reductions deterministic
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=pg_timeout)
-    )
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=pg_timeout))
     reset_pu()
     out = fn(rank, world, *args)
     path = os.path.join(outdir, f"rank{rank}.pt")
@@ -54,8 +60,14 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, outdir: str
     dist.destroy_process_group()
 
 
-def launch(fn: Callable[..., Any], *args: Any, world: int = WORLD, timeout: float = 90.0,
-           pg_timeout: float = 30.0, hard_exit: bool = False) -> list[Any]:
+def launch(
+    fn: Callable[..., Any],
+    *args: Any,
+    world: int = WORLD,
+    timeout: float = 90.0,
+    pg_timeout: float = 30.0,
+    hard_exit: bool = False,
+) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo processes; the ranks' results, in rank order."""
     with tempfile.TemporaryDirectory() as outdir:
         ctx = mp.start_processes(

@@ -9,9 +9,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import paramupdates as pu
-from paramupdates._origin import call_site
-from paramupdates.rules.base import Rule, WeakTensors, register
-from paramupdates.schedule import AFTER_GRAD, AFTER_STEP
+from paramupdates.origin import call_site
+from paramupdates.phases import AFTER_GRAD, AFTER_STEP
+from paramupdates.rules.base import Rule, register
 
 from conftest import bits
 
@@ -117,14 +117,14 @@ class MaxNorm(Rule):
 
     def __init__(self, p: torch.Tensor, c: float) -> None:
         super().__init__(call_site(2))
-        self._p = WeakTensors([p])
+        self._p = [p]
         self.c = c
 
     def tensors(self) -> list[torch.Tensor]:
-        return self._p.get()
+        return self._p
 
     def alive(self) -> bool:
-        return self._p.alive()
+        return True
 
     def apply(self, ctx) -> None:
         for p in self.tensors():
@@ -140,17 +140,17 @@ class Ema(Rule):
 
     def __init__(self, params: list[torch.Tensor], avgs: list[torch.Tensor], decay: float) -> None:
         super().__init__(call_site(2))
-        self._p, self._a = WeakTensors(params), WeakTensors(avgs)
+        self._p, self._a = list(params), list(avgs)
         self.decay = decay
 
     def owner_tensors(self) -> list[torch.Tensor]:
-        return self._p.get()
+        return self._p
 
     def tensors(self) -> list[torch.Tensor]:
-        return self._a.get()
+        return self._a
 
     def alive(self) -> bool:
-        return self._p.alive()
+        return True
 
     def apply(self, ctx) -> None:
         torch._foreach_lerp_(self.tensors(), self.owner_tensors(), 1 - self.decay)

@@ -156,8 +156,19 @@ class Net(nn.Module):
         return (y * self.scale).pow(2).mean()
 
 
-SITES = ["user_begin", "user_mid", "user_end", "shape", "nonfinite", "rule:before_grad", "rule:after_grad",
-         "rule:auxiliary", "rule:after_step", "optimizer:before", "optimizer:after"]
+SITES = [
+    "user_begin",
+    "user_mid",
+    "user_end",
+    "shape",
+    "nonfinite",
+    "rule:before_grad",
+    "rule:after_grad",
+    "rule:auxiliary",
+    "rule:after_step",
+    "optimizer:before",
+    "optimizer:after",
+]
 USER_SITES = ("user_begin", "user_mid", "user_end", "shape")
 N_STEPS = 4
 
@@ -219,8 +230,11 @@ class Harness:
         out.append(("opt.nstate", len(self.opt.state)))
         for i, r in enumerate(self.rules):
             for k, v in r.state_dict().items():
-                out.extend((f"rule{i}.{k}{j}", t.clone()) for j, t in enumerate(v if isinstance(v, list) else [v])
-                           if torch.is_tensor(t))
+                out.extend(
+                    (f"rule{i}.{k}{j}", t.clone())
+                    for j, t in enumerate(v if isinstance(v, list) else [v])
+                    if torch.is_tensor(t)
+                )
                 if not isinstance(v, list):
                     out.append((f"rule{i}.{k}", v if not torch.is_tensor(v) else "tensor"))
         if self.averaged is not None:
@@ -240,5 +254,3 @@ def _flatten(prefix: str, obj: object, out: list) -> None:
             _flatten(f"{prefix}.{i}", v, out)
     else:
         out.append((prefix, obj.detach().clone() if torch.is_tensor(obj) else obj))
-
-

@@ -25,7 +25,6 @@ class Counter(nn.Module):
         return y * self.scale
 
 
-
 def trained_counter(steps=2):
     """A Counter and its AdamW after ``steps`` committed steps (optimizer state exists)."""
     m = Counter()

@@ -114,8 +114,12 @@ def programs(draw: Any, eager: bool = True) -> list:
 def rule_specs() -> st.SearchStrategy:
     """Declared rules: ("rule", phase, target, mul, src, c, add) on float targets."""
     return st.tuples(
-        st.just("rule"), st.sampled_from(("before_grad", "after_grad", "auxiliary", "after_step")),
-        st.sampled_from(VEC), st.sampled_from([1, -1, 2]), st.sampled_from(VEC), st.sampled_from([0, 1, -1]),
+        st.just("rule"),
+        st.sampled_from(("before_grad", "after_grad", "auxiliary", "after_step")),
+        st.sampled_from(VEC),
+        st.sampled_from([1, -1, 2]),
+        st.sampled_from(VEC),
+        st.sampled_from([0, 1, -1]),
         st.integers(-2, 2),
     )
 
@@ -222,7 +226,7 @@ class PuRunner:
                 owner = self.att
                 if optimizer:
                     self.opt.step()
-                elif self.att.tx is None:
+                elif self.att.journal is None:
                     owner = pu.Stepper(self.m)  # flush() with nothing pending commits nothing: empty plan
                 else:
                     self.att.flush()

@@ -1,7 +1,7 @@
-"""The executable spec: DESIGN.md's rules as a small NumPy interpreter.
+"""The executable spec: the rules of docs/design.md as a small NumPy interpreter.
 
 This file knows nothing about paramupdates. It interprets an *update
-program* (the little language below) the way DESIGN.md says a step behaves,
+program* (the little language below) the way docs/design.md says a step behaves,
 with NumPy arrays as the state. ``tests/test_properties.py`` runs the same
 programs through paramupdates and requires both to agree, bitwise, on every
 read and on the final state.
@@ -35,7 +35,7 @@ The language
                  ("step", [[statement...] per micro-batch], optimizer: bool,
                   [(grad_w, grad_tp) per micro-batch])
 
-The rules interpreted (numbers as in DESIGN.md)
+The rules interpreted (numbers as in docs/design.md)
     1  a read sees every update issued before it in the step, none after,
        across loops and micro-batches: the *view* is folded in issue order;
     2  nothing is written before commit: the committed state is untouched
@@ -83,7 +83,7 @@ def as_key(key: Any) -> Any:
 
 
 def apply_op(op: str, old: np.ndarray, operand: Any, key: Any, cond: Any) -> np.ndarray:
-    """One update, out of place: the math of DESIGN.md's assign family."""
+    """One update, out of place: the math of docs/design.md's assign family."""
     x = np.asarray(operand).astype(old.dtype)
     if op == "assign":
         new = np.broadcast_to(x, old.shape).copy()
@@ -97,7 +97,7 @@ def apply_op(op: str, old: np.ndarray, operand: Any, key: Any, cond: Any) -> np.
     else:
         raise ValueError(op)
     new = new.astype(old.dtype)
-    if cond is not None:  # rule 6: where(pred, new, old)
+    if cond is not None:  # conditions (rule 6): where(pred, new, old)
         new = np.where(cond, new, old).astype(old.dtype)
     return new
 
@@ -134,7 +134,7 @@ class Reference:
                 self.step(micro_batches, optimizer, grads)
 
     def step(self, micro_batches: list, optimizer: bool, grads: list) -> None:
-        view = dict(self.state)  # rule 2: the committed state stays as is until commit
+        view = dict(self.state)  # deferred commit (rule 2): the committed state stays as is until commit
         records: list[Record] = []
         for body, (gw, gtp) in zip(micro_batches, grads):
             self._block(body, view, records)

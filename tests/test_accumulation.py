@@ -1,6 +1,6 @@
 """Gradient accumulation: K micro-batches, then one optimizer step.
 
-The semantics (rule 1 and rule 4), stated and checked against an explicit reference:
+The semantics (read-your-writes, rule 1 and phase order (rule 4)), stated and checked against an explicit reference:
 
 * micro-batch k's forward reads the running statistics micro-batch k-1 left
   pending:  m_k = (1 - a) m_{k-1} + a mean(x_k),
@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 import paramupdates as pu
-from paramupdates.rules.base import Rule, WeakTensors, register
-from paramupdates.schedule import AFTER_GRAD
+from paramupdates.phases import AFTER_GRAD
+from paramupdates.rules.base import Rule, register
 
 from conftest import assert_same, bits, snapshot
 
@@ -44,13 +44,13 @@ class CountApplications(Rule):
 
     def __init__(self, counter):
         super().__init__("test")
-        self.t = WeakTensors([counter])
+        self.t = [counter]
 
     def tensors(self):
-        return self.t.get()
+        return self.t
 
     def apply(self, ctx):
-        for t in self.t.get():
+        for t in self.t:
             t.add_(1)
 
 

@@ -5,7 +5,6 @@ test_bad_input.py; random fault points (rules, optimizer, validation, user
 code, under pu.step and pu.attach) are in test_faults.py.
 """
 
-
 import pytest
 import torch
 
@@ -51,9 +50,6 @@ def test_exception_inside_optimizer_rolls_back_everything():
             m(torch.randn(4, 3)).sum().backward()
             pu.assign_add(m.lin.bias, 1.0, phase="before_grad")
     assert_same(before, snapshot(m, opt))
-
-
-
 
 
 class Failing(Rule):
@@ -112,11 +108,11 @@ def test_failing_user_callable_constraint_rolls_back_everything():
 @pytest.mark.filterwarnings("ignore:pu.weight_decay")
 def test_no_snapshot_after_the_last_fallible_stage(monkeypatch):
     """Built-in rules are infallible: after the optimizer step nothing more is copied."""
-    from paramupdates import transaction
+    from paramupdates import rollback
 
     copied = []
-    real = transaction._copies
-    monkeypatch.setattr(transaction, "_copies", lambda pool, ts: copied.extend(map(id, ts)) or real(pool, ts))
+    real = rollback.copies_of
+    monkeypatch.setattr(rollback, "copies_of", lambda pool, ts: copied.extend(map(id, ts)) or real(pool, ts))
     m, opt = _trained()
     pu.weight_decay(m, 0.1)
     pu.constrain(m.lin.weight, pu.max_norm(0.5))
@@ -141,10 +137,10 @@ def test_fallible_rule_after_ema_restores_the_average():
 
 
 def test_atomic_false_takes_no_snapshot(monkeypatch):
-    from paramupdates import transaction
+    from paramupdates import rollback
 
     copied = []
-    monkeypatch.setattr(transaction, "_copies", lambda pool, ts: copied.append(ts) or [])
+    monkeypatch.setattr(rollback, "copies_of", lambda pool, ts: copied.append(ts) or [])
     m = Counter()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     pu.weight_decay(m, 0.1)
@@ -164,7 +160,7 @@ def _failing_step(m, opt, stepper):
 
 def test_rollback_copies_reuse_kept_cpu_buffers_and_still_restore_bitwise():
     """CPU rollback copies live in buffers kept between commits (no fresh allocation per step)."""
-    from paramupdates import transaction
+    from paramupdates import rollback
 
     m = Counter()
     opt = Boom(m.parameters(), lr=0.1, momentum=0.9)
@@ -172,10 +168,10 @@ def test_rollback_copies_reuse_kept_cpu_buffers_and_still_restore_bitwise():
     pu.weight_decay(m, 0.1)
     s = pu.Stepper(m, opt)
     seen = []
-    real = transaction._copies
+    real = rollback.copies_of
     transaction_copies = lambda pool, ts: seen.append(out := real(pool, ts)) or out  # noqa: E731
     mp = pytest.MonkeyPatch()
-    mp.setattr(transaction, "_copies", transaction_copies)
+    mp.setattr(rollback, "copies_of", transaction_copies)
     try:
         for _ in range(3):
             with s:
@@ -200,7 +196,9 @@ def test_rollback_copies_reuse_kept_cpu_buffers_and_still_restore_bitwise():
             with s:
                 m(torch.randn(4, 3, dtype=torch.float64)).sum().backward()
         opt.fail = False
-        assert all(c.dtype == torch.float64 for copies in seen[n:] for _, cs in copies for c in cs if c.is_floating_point())
+        assert all(
+            c.dtype == torch.float64 for copies in seen[n:] for _, cs in copies for c in cs if c.is_floating_point()
+        )
         assert_same(before, snapshot(m, opt))
     finally:
         mp.undo()
@@ -208,17 +206,17 @@ def test_rollback_copies_reuse_kept_cpu_buffers_and_still_restore_bitwise():
 
 def test_kept_rollback_copies_follow_a_reshaped_view_of_the_same_storage():
     """Same tensor, same data_ptr, new size (p.data = p.data[:1]): a new copy of the new size."""
-    from paramupdates._snapshot import SnapshotPool
+    from paramupdates.rollback import SnapshotPool
 
     pool = SnapshotPool()
     t = torch.arange(6.0)
     assert pool.claim("commit 1")
-    (ts, cs), = pool.copies([t])
+    ((ts, cs),) = pool.copies([t])
     pool.end_commit("commit 1")
     t.data = t.data[:2]
     assert pool.claim("commit 2")
     assert not pool.claim("a commit nested in commit 2")  # it takes fresh copies instead
-    (ts2, cs2), = pool.copies([t])
+    ((ts2, cs2),) = pool.copies([t])
     assert cs2[0].shape == (2,) and torch.equal(cs2[0], torch.tensor([0.0, 1.0]))
     pool.end_commit("commit 2")
     assert len(pool._plans) == 1  # the plan of the old size was dropped with its buffer

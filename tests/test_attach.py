@@ -58,7 +58,7 @@ def test_attach_equals_hand_written_reference_sgd():
         count += 1
         acc = acc + y.detach().mean(0)
         scale = scale * 0.5 + y.detach().abs().mean(0) * 0.5
-        (y * scale).sum().backward()  # forward reads the scale it just updated (rule 1)
+        (y * scale).sum().backward()  # forward reads the scale it just updated (read-your-writes, rule 1)
         orf.step()
         orf.zero_grad()
     assert torch.equal(a.lin.weight, ref.lin.weight) and torch.equal(a.lin.bias, ref.lin.bias)

@@ -27,11 +27,11 @@ def test_each_update_commits_with_its_own_optimizer_step():
     gc, dc = g.count, d.count  # the buffers themselves (module attributes show pending values)
     d(x).sum().backward()
     g(x).sum().backward()
-    assert int(gc) == 0 and int(dc) == 0  # nothing written before commit (rule 2)
-    assert int(d.count) == 1  # reads see the pending value (rule 1)
+    assert int(gc) == 0 and int(dc) == 0  # nothing written before commit (deferred commit, rule 2)
+    assert int(d.count) == 1  # reads see the pending value (read-your-writes, rule 1)
     og.step()  # commits G's step only
     assert int(gc) == 1 and int(dc) == 0
-    assert ad.tx is not None and ad.tx.find(dc, create=False) is not None
+    assert ad.journal is not None and ad.journal.find(dc, create=False) is not None
     od.step()
     assert int(dc) == 1 and int(gc) == 1
     assert any(r.target == "count" for r in ag.schedule()) and any(r.target == "count" for r in ad.schedule())
@@ -59,6 +59,6 @@ def test_tensor_of_no_model_still_applies_eagerly():
     g, d, og, od, ag, ad = _pair()
     holder = nn.Module()
     holder.register_buffer("b", torch.zeros(2))
-    pu.assign(holder.b, torch.ones(2))  # owned by no attached model: eager (rule 8)
+    pu.assign(holder.b, torch.ones(2))  # owned by no attached model: eager (eager outside a step, rule 8)
     assert torch.equal(holder.b, torch.ones(2))
-    assert ag.tx is None and ad.tx is None
+    assert ag.journal is None and ad.journal is None

@@ -53,8 +53,11 @@ def check_message(msg: str, target: str | None, line: int, *hints: str) -> None:
 
 OPERAND_CASES = {
     "shape": (lambda m: pu.assign(m.acc, torch.zeros(3)), "'acc'", ["shape", "exactly that shape or a scalar"]),
-    "dtype-tensor": (lambda m: pu.assign(m.count, torch.tensor(1.5)), "'count'",
-                     ["losing its kind", "Convert it explicitly"]),
+    "dtype-tensor": (
+        lambda m: pu.assign(m.count, torch.tensor(1.5)),
+        "'count'",
+        ["losing its kind", "Convert it explicitly"],
+    ),
     "dtype-number": (lambda m: pu.assign_add(m.count, 0.5), "'count'", ["float value", "Pass an int"]),
     "device": (lambda m: pu.assign(m.acc, torch.zeros(2, device="meta")), "'acc'", ["meta", "value.to('cpu')"]),
     "key": (lambda m: pu.assign_key(m.acc, 5, 1.0), "'acc'", ["bad key 5"]),
@@ -100,8 +103,13 @@ def test_computed_tensor_as_target():
             w = m.lin.weight * 2  # a value computed from a parameter, not a stored tensor
             line = _line()
             pu.assign(w, torch.zeros(2, 3))
-    check_message(str(ei.value), "<unnamed Tensor shape=(2, 3)", line, "computed tensor",
-                  "update the stored tensor it is computed from")
+    check_message(
+        str(ei.value),
+        "<unnamed Tensor shape=(2, 3)",
+        line,
+        "computed tensor",
+        "update the stored tensor it is computed from",
+    )
 
 
 def test_parameter_of_another_model():
@@ -137,12 +145,15 @@ def test_update_from_backward_hook():
     assert_same(before, snapshot(m))
 
 
-@pytest.mark.parametrize("pred,err", [
-    (lambda: torch.ones(2, dtype=torch.bool), ValueError),
-    (lambda: torch.tensor(1.0), ValueError),
-    (lambda: torch.tensor([True]), ValueError),
-    (lambda: 1, TypeError),
-])
+@pytest.mark.parametrize(
+    "pred,err",
+    [
+        (lambda: torch.ones(2, dtype=torch.bool), ValueError),
+        (lambda: torch.tensor(1.0), ValueError),
+        (lambda: torch.tensor([True]), ValueError),
+        (lambda: 1, TypeError),
+    ],
+)
 def test_when_non_scalar(pred, err):
     m = Counter()
     before = snapshot(m)

@@ -87,8 +87,11 @@ def test_batchnorm_bitwise_equal_to_torch(tcls, pcls, shape, momentum, affine, t
 
 def test_state_dict_keys_and_round_trip():
     ref, mod = _pair(nn.BatchNorm2d, pu.nn.BatchNorm2d, 0.1, True, True)
-    assert list(ref.state_dict()) == list(mod.state_dict()) == [
-        "weight", "bias", "running_mean", "running_var", "num_batches_tracked"]
+    assert (
+        list(ref.state_dict())
+        == list(mod.state_dict())
+        == ["weight", "bias", "running_mean", "running_var", "num_batches_tracked"]
+    )
     back = nn.BatchNorm2d(4)
     back.load_state_dict(mod.state_dict())
     _assert_modules(ref, back)
@@ -106,7 +109,7 @@ def test_constructor_arguments_match_torch():
 
 
 def test_no_write_before_commit_and_reads_see_pending():
-    """Rule 2 and rule 1 for the running statistics inside a step."""
+    """Rule 2 and read-your-writes (rule 1) for the running statistics inside a step."""
     mod = pu.nn.BatchNorm1d(4)
     ref = nn.BatchNorm1d(4)
     committed = mod.running_mean
@@ -129,8 +132,11 @@ def test_sync_stats_issues_mean_synced_updates():
     s = pu.Stepper(mod)
     s.run(mod, torch.randn(8, 4))
     ops = {r.target: r.op for r in s.schedule()}
-    assert ops == {"num_batches_tracked": "assign_add", "running_mean": "assign sync=mean",
-                   "running_var": "assign sync=mean"}
+    assert ops == {
+        "num_batches_tracked": "assign_add",
+        "running_mean": "assign sync=mean",
+        "running_var": "assign sync=mean",
+    }
 
 
 def test_schedule_origin_is_the_module():
@@ -183,7 +189,7 @@ def test_eval_forward_in_the_same_step_reads_pending_statistics():
     with pu.step(mod):
         mod(x1)
         mod.eval()
-        y = mod(x2)  # normalizes with the statistics x1 left pending (rule 1)
+        y = mod(x2)  # normalizes with the statistics x1 left pending (read-your-writes, rule 1)
     _assert_bits(y_ref, y, "eval output")
     _assert_modules(ref, mod)
 

@@ -82,7 +82,7 @@ def test_torch_batchnorm_under_torch_checkpoint_updates_twice():
 
 
 def test_pu_checkpoint_outside_a_step_applies_once():
-    """Eager (rule 8) plus rule 3: with no step, the forward applies, the recomputation drops."""
+    """Eager (eager outside a step, rule 8) plus replay (rule 3): with no step, the forward applies, the recomputation drops."""
     xs = [torch.randn(4, 3, 5, 5) for _ in range(2)]
     ref, ckpt = Net(nn.BatchNorm2d), Net(ckpt=pu.checkpoint)
     _same_init(ref, ckpt)
@@ -139,8 +139,7 @@ def test_segment_that_reads_after_assigning_recomputes_the_same(use_attach):
                 loss.backward()
                 grads = [p.grad.clone() for p in (m.w, m.gain)]
         results.append((loss.detach(), grads, snapshot(m)))
-        for att in list(pu._state.attachments):
-            att.detach()
+        pu.testing.reset()
     (l0, g0, s0), (l1, g1, s1) = results
     assert torch.equal(bits(l0), bits(l1))
     for a, b in zip(g0, g1):

@@ -84,7 +84,7 @@ def _train(mode, model, opt, fwd, batches, accum=1):
                     y = fwd(x)
                     y.square().mean().backward()
                     outs.append(y.detach())
-                # eager reads after the graph see its pending values (rule 1)
+                # eager reads after the graph see its pending values (read-your-writes, rule 1)
                 outs.extend(v for _k, v in snapshot(model))
             plans.append(s.schedule())
         else:
@@ -174,7 +174,9 @@ def test_twenty_steps_compile_once_per_train_flag():
         if i == 9:
             with torch.no_grad():
                 fwd(torch.randn(4, 3))
-    assert int(m.count) == 21  # 20 steps + the no_grad call outside a step (applied in place, rule 8)
+    assert (
+        int(m.count) == 21
+    )  # 20 steps + the no_grad call outside a step (applied in place, eager outside a step (rule 8))
     # one graph inside a step, one outside (there the updates are in-place writes)
     assert counters["stats"]["unique_graphs"] == len(graphs) == 2
     m.eval()
@@ -338,7 +340,7 @@ def test_pu_checkpoint_in_a_compiled_forward():
     """pu.checkpoint(BN segment) compiled: statistics updated once, bitwise as without checkpointing.
 
     Dynamo needs skip_fwd_side_effects_in_bwd_under_checkpoint=True to accept
-    side effects in a checkpointed region; that is rule 3 (recomputation
+    side effects in a checkpointed region; that is replay (rule 3) (recomputation
     replays, never re-issues).
     """
     pu_nn = pytest.importorskip("paramupdates.nn")

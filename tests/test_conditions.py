@@ -37,9 +37,15 @@ def test_when_tensor_masks_nonfinite_value_in_false_branch():
     assert torch.equal(m.acc, torch.zeros(2))
 
 
-@pytest.mark.parametrize("outer,inner,expect", [
-    (True, True, 1), (True, False, 0), (False, True, 0), (False, False, 0),
-])
+@pytest.mark.parametrize(
+    "outer,inner,expect",
+    [
+        (True, True, 1),
+        (True, False, 0),
+        (False, True, 0),
+        (False, False, 0),
+    ],
+)
 def test_nested_when_ands(outer, inner, expect):
     m = Counter()
     for mk_outer in (bool, torch.tensor):

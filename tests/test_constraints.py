@@ -63,7 +63,9 @@ LINEAR_CASES = [
 ]
 
 
-@pytest.mark.parametrize("c,keras", LINEAR_CASES, ids=lambda x: repr(x) if isinstance(x, pu.rules.constraints.Constraint) else "")
+@pytest.mark.parametrize(
+    "c,keras", LINEAR_CASES, ids=lambda x: repr(x) if isinstance(x, pu.rules.constraints.Constraint) else ""
+)
 def test_linear_weight_matches_keras_dense_kernel(c, keras, strategy):
     w = nn.Linear(6, 4).weight.detach() * 3  # torch (out, in); norms both above and below the bounds
     k = w.double().numpy().T  # Keras kernel (in, out)
@@ -128,12 +130,27 @@ def test_cpu_concatenated_row_norms_are_bitwise_the_per_tensor_ones(monkeypatch)
 
 
 def test_foreach_path_equals_reference_over_mixed_shapes_and_dtypes(strategy):
-    ts = [torch.randn(s, dtype=dt) * 2 for s, dt in [
-        ((8, 3), torch.float32), ((5,), torch.float32), ((4, 3, 2, 2), torch.float32), ((7, 7), torch.float64),
-        ((2, 9), torch.float32), ((), torch.float32), ((0, 3), torch.float32), ((3, 2, 5), torch.float64),
-    ]]
-    for c in [pu.max_norm(1.0), pu.max_norm(2.0, dim=-1), pu.unit_norm(dim=None), pu.min_max_norm(0.5, 1.5, 0.3),
-              pu.non_neg(), pu.clamp(-0.5, 0.5)]:
+    ts = [
+        torch.randn(s, dtype=dt) * 2
+        for s, dt in [
+            ((8, 3), torch.float32),
+            ((5,), torch.float32),
+            ((4, 3, 2, 2), torch.float32),
+            ((7, 7), torch.float64),
+            ((2, 9), torch.float32),
+            ((), torch.float32),
+            ((0, 3), torch.float32),
+            ((3, 2, 5), torch.float64),
+        ]
+    ]
+    for c in [
+        pu.max_norm(1.0),
+        pu.max_norm(2.0, dim=-1),
+        pu.unit_norm(dim=None),
+        pu.min_max_norm(0.5, 1.5, 0.3),
+        pu.non_neg(),
+        pu.clamp(-0.5, 0.5),
+    ]:
         for ours, t in zip(_foreach(c, ts), ts):
             torch.testing.assert_close(ours, c(t), rtol=1e-6, atol=1e-7)
 

@@ -15,9 +15,13 @@ from conftest import assert_same, bits, snapshot
 def _net():
     torch.manual_seed(0)
     net = nn.Sequential(
-        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(),
+        nn.Conv2d(3, 4, 3),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
         nn.Sequential(nn.Conv2d(4, 4, 1), nn.SyncBatchNorm(4, momentum=None)),
-        nn.Flatten(), nn.Linear(4 * 4 * 4, 5), nn.BatchNorm1d(5, affine=False),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 5),
+        nn.BatchNorm1d(5, affine=False),
     )
     with torch.no_grad():
         for m in net.modules():

@@ -93,7 +93,9 @@ def test_command_line(tmp_path, capsys):
     assert "before_grad" in out  # the schedule is printed
     png = tmp_path / "paramupdates-demo.png"
     assert png.exists() and f"Plot: {png}" in out
-    rc = demo.main(["--epochs", "1", "--train-size", "64", "--out", str(tmp_path / "none"), "--no-plot", "--no-progress"])
+    rc = demo.main(
+        ["--epochs", "1", "--train-size", "64", "--out", str(tmp_path / "none"), "--no-plot", "--no-progress"]
+    )
     assert rc == 0
     assert not (tmp_path / "none").exists()
     assert "Plot:" not in capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""Determinism (rule 11): the same script run twice, in separate processes with different
+"""Determinism (determinism, rule 11): the same script run twice, in separate processes with different
 hash seeds, gives bitwise equal state (a sha256 of every state byte: model, optimizer,
 rule state, counters) and an identical schedule() text."""
 
@@ -15,8 +15,12 @@ ROOT = Path(__file__).resolve().parent.parent
 def _start(hashseed: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONHASHSEED": hashseed}
     return subprocess.Popen(
-        [sys.executable, "tests/determinism_script.py"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True,
+        [sys.executable, "tests/determinism_script.py"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 

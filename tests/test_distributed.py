@@ -324,7 +324,7 @@ def scen_eager_and_when(rank, world):
     """Outside a step a synced update is reduced at once; under when(tensor) a false rank contributes old."""
     m = Two()
     m.register_buffer("count", torch.zeros((), dtype=torch.long))
-    pu.assign(m.a, torch.full((2,), float(rank + 1)), sync="mean")  # eager (rule 8): 1.5 on both
+    pu.assign(m.a, torch.full((2,), float(rank + 1)), sync="mean")  # eager (eager outside a step, rule 8): 1.5 on both
     pu.assign_add(m.count, rank + 1, sync="sum")  # 3 on both
     pu.assign(m.local, torch.full((2,), float(rank + 1)))  # eager, not synced: rank-local
     eager = state_of(m)
@@ -660,8 +660,13 @@ def test_ddp_example_runs_under_torchrun():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for _attempt in range(3):
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-            "--master_addr=127.0.0.1", f"--master_port={free_port()}", "examples/ddp_train.py",
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "--master_addr=127.0.0.1",
+            f"--master_port={free_port()}",
+            "examples/ddp_train.py",
         ]
         proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=120)
         exit_abort = "terminate called without an active exception" in proc.stdout + proc.stderr and (

@@ -64,7 +64,7 @@ def _reference_ema(m, opt, decay, data, k):
     """Hand-written: accumulate k micro-batches, step, then average once."""
     avg = [t.detach().clone() for t in m.parameters()]
     for i in range(0, len(data), k):
-        for x in data[i: i + k]:
+        for x in data[i : i + k]:
             m(x).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
@@ -85,7 +85,7 @@ def test_gradient_accumulation_averages_once_per_optimizer_update(how):
     averaged = pu.ema(m, 0.8)
     att = pu.attach(m, opt) if how == "attach" else None
     for i in range(0, 6, 3):
-        micro = data[i: i + 3]
+        micro = data[i : i + 3]
         if how == "one_step":
             with pu.step(m, opt):
                 for x in micro:
@@ -164,8 +164,7 @@ def test_resume_is_bitwise_identical(how):
 
     # a fresh process: same declarations, then load
     torch.manual_seed(123)
-    for att in list(pu._state.attachments):
-        att.detach()
+    pu.testing.reset()
     m2 = _bn_net()
     opt2 = torch.optim.Adam(m2.parameters(), lr=0.01)
     pu.weight_decay(m2, 0.01)
@@ -239,3 +238,202 @@ def test_declaration_errors():
         pu.ema(m.weight, 0.9)
     with pytest.raises(ValueError, match="warmup"):
         pu.ema(m, 0.9, warmup=-1)
+
+
+# --- issue 17: t is a buffer of the copy; timm's warmup; dtype= and device= -------------------
+
+
+def _steps(m, opt, xs):
+    stepper = pu.Stepper(m, opt)
+    for x in xs:
+        with stepper:
+            m(x).pow(2).mean().backward()
+        opt.zero_grad()
+
+
+def test_counter_is_a_buffer_of_the_copy_so_saving_the_copy_alone_resumes_bitwise(tmp_path):
+    """A framework that saves only the averaged copy (timm's CheckpointSaver, a Lightning module holding it)
+    keeps the warmup state. Before issue 17, t lived only in the rule: the copy's state_dict had no
+    counter, and a resumed warmup restarted at t = 0."""
+    data = _data(6)
+    m = _bn_net()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    averaged = pu.ema(m, 0.99, warmup=True)
+    _steps(m, opt, data[:3])
+    assert int(averaged.state_dict()["pu_ema_updates"]) == rule_of(averaged).updates == 3
+    torch.save({"model": m.state_dict(), "opt": opt.state_dict(), "ema": averaged.state_dict()}, tmp_path / "c.pt")
+    _steps(m, opt, data[3:])
+    expect = snapshot(m, averaged)
+
+    torch.manual_seed(9)
+    m2 = _bn_net()
+    opt2 = torch.optim.SGD(m2.parameters(), lr=0.1)
+    averaged2 = pu.ema(m2, 0.99, warmup=True)
+    saved = torch.load(tmp_path / "c.pt")  # weights_only=True: plain tensors
+    m2.load_state_dict(saved["model"])
+    opt2.load_state_dict(saved["opt"])
+    averaged2.load_state_dict(saved["ema"])  # the copy alone, no pu state_dict
+    assert rule_of(averaged2).updates == 3
+    _steps(m2, opt2, data[3:])
+    assert_same(expect, snapshot(m2, averaged2))
+    assert int(averaged2.pu_ema_updates) == 6
+
+
+def test_counter_follows_the_copy_when_it_is_written_or_moved():
+    m = nn.Linear(3, 2)
+    averaged = pu.ema(m, 0.9, warmup=True)
+    rule = rule_of(averaged)
+    with torch.no_grad():
+        averaged.pu_ema_updates.fill_(7)
+    assert rule.updates == 7 and rule.decay_at(rule.updates) == min(0.9, 8 / 17)
+    averaged.pu_ema_updates = torch.tensor(11)  # a new tensor object in the slot
+    assert rule.updates == 11
+    rule.updates = 2
+    assert int(averaged.pu_ema_updates) == 2
+
+
+def test_weights_load_into_the_model_strictly():
+    m = _bn_net()
+    averaged = pu.ema(m, 0.5)
+    with pytest.raises(RuntimeError, match="pu_ema_updates"):
+        copy.deepcopy(m).load_state_dict(averaged.state_dict())
+    target = copy.deepcopy(m)
+    target.load_state_dict(pu.rules.ema.weights(averaged))
+    assert_same(snapshot(target), snapshot(m))
+
+
+def test_a_rolled_back_commit_restores_the_counter():
+    m = nn.Linear(3, 2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    averaged = pu.ema(m, 0.9)
+
+    def fails(t):
+        raise RuntimeError("boom")
+
+    pu.constrain(m.weight, fails)  # after_grad, before the EMA: the commit rolls back
+    with pytest.raises(RuntimeError, match="boom"):
+        with pu.step(m, opt):
+            m(torch.randn(2, 3)).sum().backward()
+    assert rule_of(averaged).updates == 0 and int(averaged.pu_ema_updates) == 0
+
+
+def test_timm_warmup_formula():
+    m = nn.Linear(3, 3)
+    rule = rule_of(pu.ema(m, 0.9999, warmup="timm"))
+    assert rule.decay_at(0) == 0.0  # the first update copies
+    assert rule.decay_at(1) == 1 - 2 ** (-2 / 3)
+    assert rule.decay_at(31621) < 0.999 < rule.decay_at(31622)
+    assert rule.decay_at(10**9) == 0.9999
+    custom = rule_of(pu.ema(m, 0.99, warmup=pu.rules.ema.TimmWarmup(gamma=2.0, power=0.75, min_decay=0.5)))
+    assert custom.decay_at(1) == 0.5 and custom.decay_at(10) == 1 - (1 + 10 / 2.0) ** -0.75
+    with pytest.raises(ValueError, match="not a preset"):
+        pu.ema(m, 0.9, warmup="keras")
+
+
+def test_timm_warmup_equals_timm_model_ema_v3_bitwise():
+    from frameworks import import_timm
+
+    timm = import_timm()
+    m = _bn_net()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    theirs = timm.utils.ModelEmaV3(m, decay=0.99, use_warmup=True)
+    ours = pu.ema(m, 0.99, warmup="timm")
+    stepper = pu.Stepper(m, opt)
+    for step, x in enumerate(_data(6), start=1):
+        with stepper:
+            m(x).pow(2).mean().backward()
+        opt.zero_grad()
+        theirs.update(m, step=step)  # timm's train.py: step = updates so far, this one included
+    ref = theirs.module.state_dict()
+    for k, v in pu.rules.ema.weights(ours).items():
+        assert torch.equal(bits(v), bits(ref[k])), k
+
+
+def _bf16_net():
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2)).to(torch.bfloat16)
+
+
+def test_float32_average_of_a_bfloat16_model():
+    """a <- a * d + p * (1 - d) in float32, p promoted in the kernel; a bfloat16 EMA cannot hold the update."""
+    m = _bf16_net()
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    wide = pu.ema(m, 0.999, dtype=torch.float32)
+    narrow = pu.ema(m, 0.999)
+    assert wide[0].weight.dtype == torch.float32 and wide[1].num_batches_tracked.dtype == torch.int64
+    ref = {k: v.detach().float().clone() for k, v in m.state_dict().items() if v.is_floating_point()}
+    start = narrow[0].weight.detach().clone()
+    for x in _data(4):
+        with pu.step(m, opt):
+            m(x.to(torch.bfloat16)).float().pow(2).mean().backward()
+        opt.zero_grad()
+        for k, v in m.state_dict().items():
+            if k in ref:
+                ref[k].mul_(0.999).add_(v, alpha=1 - 0.999)  # one tensor at a time: the same kernels
+    got = wide.state_dict()
+    for k, v in ref.items():
+        assert got[k].dtype == torch.float32 and torch.equal(bits(got[k]), bits(v)), k
+    assert torch.equal(wide[1].num_batches_tracked, m[1].num_batches_tracked)
+    assert not torch.equal(wide[0].weight, start.float())  # moved
+    assert torch.equal(narrow[0].weight, start)  # 0.001 * (p - a) is below bfloat16's resolution: stuck
+    target = copy.deepcopy(m)
+    target.load_state_dict(pu.rules.ema.weights(wide))  # cast back by load_state_dict
+    assert target[0].weight.dtype == torch.bfloat16
+
+
+def test_float32_average_equals_timm_model_ema_v3_with_dtype():
+    from frameworks import import_timm
+
+    timm = import_timm()
+    m = _bf16_net()
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    theirs = timm.utils.ModelEmaV3(m, decay=0.99, dtype=torch.float32)
+    theirs.update(m, step=1)  # timm's first update (step 1) copies; ours starts from the copy
+    ours = pu.ema(m, 0.99, dtype=torch.float32)
+    for step, x in enumerate(_data(4), start=2):
+        with pu.step(m, opt):
+            m(x.to(torch.bfloat16)).float().pow(2).mean().backward()
+        opt.zero_grad()
+        theirs.update(m, step=step)
+    ref = theirs.module.state_dict()
+    for k, v in pu.rules.ema.weights(ours).items():
+        assert v.dtype == ref[k].dtype and torch.equal(bits(v), bits(ref[k])), k
+
+
+def test_a_copy_cast_after_declaration_is_still_an_error_with_dtype():
+    m = nn.Linear(3, 3)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    averaged = pu.ema(m, 0.5, dtype=torch.float64)
+    averaged.half()
+    with pytest.raises(pu.UpdateError, match="should be cpu/float64/.* \\(as declared\\)"):
+        with pu.step(m, opt):
+            m(torch.randn(2, 3)).sum().backward()
+    with pytest.raises(TypeError, match="floating"):
+        pu.ema(m, 0.5, dtype=torch.int32)
+
+
+def test_copy_on_another_device_is_averaged_there():
+    """device=: the model's tensors are copied to the copy's device each commit (CPU here: the meta device
+    stands in for another device; the values are checked on CUDA below where there is one)."""
+    m = _bn_net()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    elsewhere = pu.ema(m, 0.9, device="meta", dtype=torch.float64)
+    assert {t.device.type for t in elsewhere.state_dict().values()} == {"meta"}
+    assert elsewhere[0].weight.dtype == torch.float64 and elsewhere[1].num_batches_tracked.dtype == torch.int64
+    _steps(m, opt, _data(2))
+    assert rule_of(elsewhere).updates == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: a CPU average of a GPU model")
+def test_cpu_average_of_a_cuda_model_equals_the_average_on_the_gpu():
+    m = _bn_net().cuda()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    on_cpu = pu.ema(m, 0.9, device="cpu")
+    on_gpu = pu.ema(m, 0.9)
+    _steps(m, opt, [x.cuda() for x in _data(3)])
+    assert on_cpu[0].weight.device.type == "cpu" and on_cpu.pu_ema_updates.device.type == "cpu"
+    for (k, a), b in zip(on_cpu.state_dict().items(), on_gpu.state_dict().values()):
+        if a.is_floating_point():  # the same lerp on two devices: equal up to rounding (FMA on the GPU)
+            torch.testing.assert_close(a, b.cpu(), rtol=1e-6, atol=1e-6, msg=k)
+        else:
+            assert torch.equal(a, b.cpu()), k

@@ -1,4 +1,4 @@
-"""Fault injection: an exception anywhere inside a step changes nothing (rule 7).
+"""Fault injection: an exception anywhere inside a step changes nothing (validated commit, rule 7).
 
 An exception raised at a random point of a step (in user code, inside a
 declared rule of any phase, inside the optimizer before or after it wrote,
@@ -29,7 +29,7 @@ from torch import nn
 
 import paramupdates as pu
 from fault_models import N_STEPS, SITES, USER_SITES, Flaky, Harness, Injected, Net, Tally, data
-from paramupdates import _state
+from paramupdates import context
 from paramupdates.rules.base import register
 from programs import Fault, PuRunner, count_statements, programs
 from reference_model import Reference
@@ -39,8 +39,12 @@ from conftest import assert_same, bits, snapshot
 # ---------------------------------------------------------------------------
 # 1. random programs, fault before a random statement of a random step
 # ---------------------------------------------------------------------------
-_TAIL = ("step", [[("upd", "assign_add", "cnt", ("const", 1), None, None), ("read", "buf")]], True,
-         [([1, 1, 1], [1, 1, 1])])
+_TAIL = (
+    "step",
+    [[("upd", "assign_add", "cnt", ("const", 1), None, None), ("read", "buf")]],
+    True,
+    [([1, 1, 1], [1, 1, 1])],
+)
 
 
 def _state_bytes(run: PuRunner) -> dict[str, bytes]:
@@ -69,7 +73,7 @@ def test_fault_in_random_program(program, seg_pick, stmt_pick, driver):
             run.run([seg])
         run.fault_at = None
         assert _state_bytes(run) == before  # nothing the step issued was written
-        assert not _state.explicit and not _state.pu_pending  # the overlay is gone
+        assert not context.explicit and not context.pu_pending  # the overlay is gone
         assert run.m._buffers["buf"] is run.m.buf and run.m._buffers["cnt"] is run.m.cnt
         del run.reads[n_reads:]
         ref.grads = {n: None for n in ref.grads}  # the runner zero_grads after a failed step
@@ -110,7 +114,7 @@ def _scenario(rng: random.Random, driver: str, clean: list, site: str, ema: bool
                     # optimizer.step() (optimizer, rules, validation) roll back by themselves.
                     h.owner.discard()
                 h.opt.zero_grad()
-                assert not _state.explicit and not _state.pu_pending  # the overlay is gone
+                assert not context.explicit and not context.pu_pending  # the overlay is gone
                 assert h.m._buffers["acc"] is acc and h.m._buffers["count"] is count
                 assert_same(before, h.everything())
             h.step(data(i))
@@ -212,7 +216,7 @@ def test_attach_failed_optimizer_step_rolls_back_at_once_and_next_step_counts():
     with pytest.raises(Injected):
         opt.step()
     assert_same(before, snapshot(m, opt))
-    assert not _state.pu_pending and att.steps == 1
+    assert not context.pu_pending and att.steps == 1
     opt.fail = None
     opt.zero_grad()
     m(data(2)).backward()
@@ -240,7 +244,7 @@ def test_fault_with_batchnorm_counters():
         try:
             h.step(data(0))
             before = h.everything()
-            assert ("bn.num_batches_tracked" in [k for k, _ in before])
+            assert "bn.num_batches_tracked" in [k for k, _ in before]
             h.arm(site)
             with pytest.raises((Injected, pu.UpdateError)):
                 h.step(data(1))
@@ -299,6 +303,7 @@ def test_kept_rollback_copies_restore_adamw_after_many_commits(when):
     commits (AdamW state with its step counters, weight decay, a constraint, an EMA) still
     restores everything bitwise, and training then continues exactly as without the fault
     (once the failed step's gradients are zeroed, as after a plain optimizer.step() that raises)."""
+
     def make():
         torch.manual_seed(0)
         m = Net()

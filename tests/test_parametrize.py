@@ -7,8 +7,8 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import orthogonal, weight_norm
 
 import paramupdates as pu
-from paramupdates.rules.base import Rule, WeakTensors, register
-from paramupdates.schedule import AFTER_GRAD
+from paramupdates.phases import AFTER_GRAD
+from paramupdates.rules.base import Rule, register
 
 from conftest import assert_same, bits, snapshot
 
@@ -27,7 +27,9 @@ def test_assign_weight_norm_weight_goes_through_right_inverse():
     g_before = mod.parametrizations.weight.original0.clone()
     with pu.step(mod, opt) as s:
         pu.assign(mod.weight, value, phase="after_grad")
-        assert torch.equal(mod.parametrizations.weight.original0, g_before)  # rule 2: nothing written yet
+        assert torch.equal(
+            mod.parametrizations.weight.original0, g_before
+        )  # deferred commit (rule 2): nothing written yet
     assert_same(snapshot(ref), snapshot(mod))  # original0, original1 bitwise as PyTorch's
     torch.testing.assert_close(mod.weight, value)
     targets = s.schedule().targets("after_grad")
@@ -96,14 +98,14 @@ class _MaxNorm(Rule):
 
     def __init__(self, p, value, dim):
         super().__init__("test")
-        self.ps = WeakTensors([p])
+        self.ps = [p]
         self.value, self.dim = value, dim
 
     def tensors(self):
-        return self.ps.get()
+        return self.ps
 
     def apply(self, ctx):
-        for p in self.ps.get():
+        for p in self.ps:
             _keras_max_norm_(p, self.value)
 
 
@@ -157,7 +159,7 @@ def test_weight_norm_with_max_norm_on_magnitude_and_direction():
 
 
 def test_eager_assign_of_a_parametrized_weight():
-    """Rule 8 with rule 10: outside a step the originals are written at once, as PyTorch's setter does."""
+    """Rule 8 with transformed parameters (rule 10): outside a step the originals are written at once, as PyTorch's setter does."""
     ref, mod = _wn(), _wn()
     pu.Stepper(mod)  # paramupdates indexes the model (and recognises its parametrizations)
     value = torch.randn(4, 3)

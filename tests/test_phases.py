@@ -28,9 +28,14 @@ def test_phase_order_not_issue_order():
     assert s.schedule().phases() == ["before_grad", "after_grad", "auxiliary", "after_step"]
 
 
-@pytest.mark.parametrize("first,second", [
-    ("before_grad", "after_grad"), ("after_grad", "auxiliary"), ("auxiliary", "after_step"),
-])
+@pytest.mark.parametrize(
+    "first,second",
+    [
+        ("before_grad", "after_grad"),
+        ("after_grad", "auxiliary"),
+        ("auxiliary", "after_step"),
+    ],
+)
 def test_each_adjacent_pair_of_phases_commits_in_order(first, second):
     """assign and assign_add do not commute: swapping two phases changes the result."""
     m = Two()
@@ -97,8 +102,10 @@ def test_declared_rules_run_first_in_their_phase_in_declaration_order():
     assert log == [("before_grad", 0.0), ("after_grad", 1.0)]
     assert float(m.t) == 3.0
     assert [(r.phase, r.op) for r in s.schedule()] == [
-        ("before_grad", "recorder"), ("before_grad", "assign_add"),
-        ("after_grad", "recorder"), ("after_grad", "assign_add"),
+        ("before_grad", "recorder"),
+        ("before_grad", "assign_add"),
+        ("after_grad", "recorder"),
+        ("after_grad", "assign_add"),
     ]
 
 

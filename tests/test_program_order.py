@@ -36,7 +36,9 @@ def test_python_loop_sees_previous_iteration():
     with pu.step(m):
         seen = m()
         assert [float(s[0]) for s in seen] == [2.0, 4.0, 8.0]
-        assert torch.equal(m.p.data, torch.ones(3))  # storage untouched: rule 2 (.data is the storage)
+        assert torch.equal(
+            m.p.data, torch.ones(3)
+        )  # storage untouched: deferred commit (rule 2) (.data is the storage)
     assert torch.equal(m.p.detach(), torch.full((3,), 8.0))
 
 

@@ -36,8 +36,8 @@ def check(program: list, driver: str, rules: list | None = None) -> None:
     try:
         run.run(program)
     finally:
-        for r in list(rules_base._RULES):
-            rules_base.unregister(r)
+        for r in rules_base.declared():
+            r.remove()
     assert len(run.reads) == len(ref.reads)
     for i, (got, want) in enumerate(zip(run.reads, ref.reads)):
         assert _same(got, want), f"read #{i}: paramupdates {got!r}, reference {want!r}"
@@ -45,7 +45,7 @@ def check(program: list, driver: str, rules: list | None = None) -> None:
     assert sorted(state) == sorted(ref.state)
     for k, want in ref.state.items():
         assert _same(state[k], want), f"final {k}: paramupdates {state[k]!r}, reference {want!r}"
-    assert run.schedules == ref.schedules  # schedule(): rule 4's order, step by step
+    assert run.schedules == ref.schedules  # schedule(): phase order (rule 4)'s order, step by step
     for n in ("w", "tp"):  # gradients accumulate across micro-batches and optimizer-less steps
         g = getattr(run.m, n).grad
         assert (g is None) == (ref.grads[n] is None), n
@@ -85,34 +85,46 @@ def test_declared_rules_agree_with_reference(rules_and_program, driver):
 def test_reference_examples():
     """The reference itself, on hand-computed cases (so the spec cannot drift silently)."""
     # read-your-writes in a loop, then commit order: before_grad, SGD, after_grad
-    prog = [(
-        "step",
-        [[
-            ("loop", 2, [("upd", "assign_add", "w", ("const", 1), None, "after_grad"), ("read", "w")]),
-            ("upd", "assign", "w", ("const", 10), None, "before_grad"),
-            ("read", "w"),
-        ]],
-        True,
-        [([2, 2, 2], [0, 0, 0])],
-    )]
+    prog = [
+        (
+            "step",
+            [
+                [
+                    ("loop", 2, [("upd", "assign_add", "w", ("const", 1), None, "after_grad"), ("read", "w")]),
+                    ("upd", "assign", "w", ("const", 10), None, "before_grad"),
+                    ("read", "w"),
+                ]
+            ],
+            True,
+            [([2, 2, 2], [0, 0, 0])],
+        )
+    ]
     ref = Reference()
     ref.run(prog)
     assert [r.tolist() for r in ref.reads] == [[3.0, 1.0, 0.0], [4.0, 2.0, 1.0], [10.0, 10.0, 10.0]]
     # commit: w = 10 (before_grad), w -= 0.5 * 2 (SGD), w += 1 twice (after_grad)
     assert ref.state["w"].tolist() == [11.0, 11.0, 11.0]
     # when(False) records nothing; when(tensor(False)) records a no-op; nesting ANDs
-    prog = [(
-        "step",
-        [[
-            ("when", ("tensor", True), [
-                ("when", ("bool", False), [("upd", "assign", "buf", ("const", 7), None, None)]),
-                ("when", ("gt", "cnt", None, 5), [("upd", "assign", "a", ("const", 7), None, None)]),
-                ("upd", "assign_add", "cnt", ("const", 1), None, None),
-            ]),
-        ]],
-        False,
-        [([0, 0, 0], [0, 0, 0])],
-    )]
+    prog = [
+        (
+            "step",
+            [
+                [
+                    (
+                        "when",
+                        ("tensor", True),
+                        [
+                            ("when", ("bool", False), [("upd", "assign", "buf", ("const", 7), None, None)]),
+                            ("when", ("gt", "cnt", None, 5), [("upd", "assign", "a", ("const", 7), None, None)]),
+                            ("upd", "assign_add", "cnt", ("const", 1), None, None),
+                        ],
+                    ),
+                ]
+            ],
+            False,
+            [([0, 0, 0], [0, 0, 0])],
+        )
+    ]
     ref = Reference()
     ref.run(prog)
     assert ref.state["buf"].tolist() == [0.0, 1.0, 2.0] and ref.state["a"].tolist() == [1.0, -2.0, 3.0]

@@ -1,4 +1,4 @@
-"""Save and resume (rule 11): torch.save of model + optimizer + stepper state mid-training,
+"""Save and resume (determinism, rule 11): torch.save of model + optimizer + stepper state mid-training,
 loaded into fresh objects, continues to a final state bitwise equal to an uninterrupted run
 (CPU), including pu.nn.BatchNorm1d's running statistics and num_batches_tracked, the rules' state (an EMA-like shadow copy, call counters), the step
 counters and the skipped-step count."""
@@ -26,8 +26,7 @@ def _train(h: Harness, lo: int, hi: int) -> None:
     h.m.fault = None
 
 
-EMA = pytest.param(True, marks=pytest.mark.skipif(not hasattr(pu, "ema"), reason="pu.ema lands with issue 3"),
-                   id="ema")
+EMA = pytest.param(True, marks=pytest.mark.skipif(not hasattr(pu, "ema"), reason="pu.ema lands with issue 3"), id="ema")
 
 
 @pytest.mark.parametrize("ema", [False, EMA])
@@ -45,12 +44,15 @@ def test_resume_is_bitwise_equal_to_uninterrupted(driver, ema):
     try:
         _train(first, 0, CUT)
         buf = io.BytesIO()
-        torch.save({"model": first.m.state_dict(), "optimizer": first.opt.state_dict(),
-                    "pu": first.owner.state_dict()}, buf)
+        torch.save(
+            {"model": first.m.state_dict(), "optimizer": first.opt.state_dict(), "pu": first.owner.state_dict()}, buf
+        )
     finally:
         first.close()
 
-    fresh = Harness(driver, seed=123, on_nonfinite="skip", bn=True, ema=ema)  # different init: everything must come from the file
+    fresh = Harness(
+        driver, seed=123, on_nonfinite="skip", bn=True, ema=ema
+    )  # different init: everything must come from the file
     try:
         buf.seek(0)
         saved = torch.load(buf, weights_only=True)

@@ -36,7 +36,6 @@ from returnn.torch.frontend.bridge import rf_module_to_pt_module  # noqa: E402
 
 import paramupdates as pu  # noqa: E402
 import paramupdates.returnn as pur  # noqa: E402
-from paramupdates.integrations import returnn as prt  # noqa: E402
 
 from conftest import bits  # noqa: E402
 
@@ -138,8 +137,15 @@ def test_raw_tensors_match_returnn(bridge):
 # ---------------------------------------------------------------------------
 # ports of RETURNN's rf tests (tests/rf_utils.py::run_model, torch side only)
 # ---------------------------------------------------------------------------
-def run_model(extern_data: TensorDict, get_model: Any, forward_step: Any, *, dyn_dim_max_sizes=None,
-              in_step: bool = False, train: bool = False) -> tuple[TensorDict, Any]:
+def run_model(
+    extern_data: TensorDict,
+    get_model: Any,
+    forward_step: Any,
+    *,
+    dyn_dim_max_sizes=None,
+    in_step: bool = False,
+    train: bool = False,
+) -> tuple[TensorDict, Any]:
     """RETURNN's ``rf_utils._run_model_torch`` (random data, seed 42), optionally inside one ``pu.step``.
     Returns the outputs (as numpy) and the model."""
     extern_data.reset_content()
@@ -223,8 +229,11 @@ def test_port_param_assign_reads_pending_values_in_step(bridge):
     assert raw.item() == 7
     rows = s.schedule()
     assert [(r.phase, r.target, r.op) for r in rows] == [("auxiliary", "param", "assign")] * 2
-    assert all(r.origin.endswith(f"{HERE}:{_line_of('self.param.assign(5)')}") or
-               r.origin.endswith(f"{HERE}:{_line_of('self.param.assign(7)')}") for r in rows)
+    assert all(
+        r.origin.endswith(f"{HERE}:{_line_of('self.param.assign(5)')}")
+        or r.origin.endswith(f"{HERE}:{_line_of('self.param.assign(7)')}")
+        for r in rows
+    )
 
 
 def _line_of(text: str) -> int:
@@ -264,8 +273,9 @@ class _CondNet(rf.Module):
 
 
 @pytest.mark.parametrize("in_step", [False, True], ids=["eager", "in_step"])
-@pytest.mark.parametrize("variant,expected", [(1, {5: (2, 2), 6: (5, 5)}), (2, {5: (9, 9), 6: (5, 5)}),
-                                              (3, {5: (6, 2), 6: (42, 5)})])
+@pytest.mark.parametrize(
+    "variant,expected", [(1, {5: (2, 2), 6: (5, 5)}), (2, {5: (9, 9), 6: (5, 5)}), (3, {5: (6, 2), 6: (42, 5)})]
+)
 def test_port_cond_param_assign(bridge, variant, expected, in_step):
     time_dim = Dim(Tensor("time", [batch_dim], dtype="int32"))
     in_dim = Dim(7, name="in")
@@ -277,8 +287,13 @@ def test_port_cond_param_assign(bridge, variant, expected, in_step):
         param.mark_as_output(shape=(), name="param")
 
     for max_size, (want_out, want_param) in expected.items():
-        out, model = run_model(extern_data, lambda *, epoch, step: _CondNet(variant, time_dim), _forward_step,
-                               dyn_dim_max_sizes={time_dim: max_size}, in_step=in_step)
+        out, model = run_model(
+            extern_data,
+            lambda *, epoch, step: _CondNet(variant, time_dim),
+            _forward_step,
+            dyn_dim_max_sizes={time_dim: max_size},
+            in_step=in_step,
+        )
         assert out["output"].raw_tensor == want_out and out["param"].raw_tensor == want_param
         assert model.param.raw_tensor.item() == want_param
 
@@ -295,8 +310,11 @@ class _BNNet(rf.Module):
 
 
 @pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
-@pytest.mark.parametrize("bn_opts", [{"use_mask": False}, {"use_mask": True, "track_running_stats": False},
-                                     {"use_mask": True}], ids=["fused", "masked_no_stats", "masked"])
+@pytest.mark.parametrize(
+    "bn_opts",
+    [{"use_mask": False}, {"use_mask": True, "track_running_stats": False}, {"use_mask": True}],
+    ids=["fused", "masked_no_stats", "masked"],
+)
 def test_port_batch_norm(bn_opts, train):
     """The ports' outputs and statistics with the bridge (eagerly and in a step) equal RETURNN's, bitwise."""
     time_dim = Dim(Tensor("time", [batch_dim], dtype="int32"))
@@ -310,8 +328,9 @@ def test_port_batch_norm(bn_opts, train):
     for on, in_step in ((False, False), (True, False), (True, True)):
         if on:
             pur.enable()
-        out, model = run_model(extern_data, lambda *, epoch, step: _BNNet(in_dim, **bn_opts), _forward_step,
-                               in_step=in_step, train=train)
+        out, model = run_model(
+            extern_data, lambda *, epoch, step: _BNNet(in_dim, **bn_opts), _forward_step, in_step=in_step, train=train
+        )
         pur.disable()
         results.append((torch.from_numpy(out["output"].raw_tensor.copy()), _raw_state(rf_module_to_pt_module(model))))
     ref_out, ref_state = results[0]
@@ -416,8 +435,9 @@ def _train_segnet(ckpt: str, use_mask: bool, *, on: bool, steps: int = 3) -> dic
         seq_lens = rf.convert_to_tensor(torch.tensor([5, 3, 4, 2], dtype=torch.int32), dims=[batch])
         time_dim = Dim(seq_lens, name="time") if use_mask else _T
         for _ in range(steps):
-            x = rf.convert_to_tensor(torch.randn(4, 5, 3, generator=gen, requires_grad=True),
-                                     dims=[batch, time_dim, _IN], feature_dim=_IN)
+            x = rf.convert_to_tensor(
+                torch.randn(4, 5, 3, generator=gen, requires_grad=True), dims=[batch, time_dim, _IN], feature_dim=_IN
+            )
             if on:
                 with pu.step(pt, opt):
                     y = net(x)
@@ -460,8 +480,12 @@ def returnn_alone(what: str, ckpt: str, use_mask: bool = False) -> Any:
 
         with tempfile.TemporaryDirectory() as d:
             out = os.path.join(d, "out.pt")
-            subprocess.run([sys.executable, "-c", _RETURNN_ALONE_UNDER_GCS, os.path.dirname(__file__), out],
-                           check=True, capture_output=True, timeout=600)
+            subprocess.run(
+                [sys.executable, "-c", _RETURNN_ALONE_UNDER_GCS, os.path.dirname(__file__), out],
+                check=True,
+                capture_output=True,
+                timeout=600,
+            )
             _GCS_ALONE.update(torch.load(out, weights_only=False))
     return _GCS_ALONE["read_assign" if what == "read_assign" else "segnet_masked" if use_mask else "segnet_fused"]
 
@@ -533,7 +557,7 @@ def test_gcs_replay_needs_subclass_dispatch_disabled(bridge):
     import returnn.torch.util.gradient_checkpoint as gcs
 
     patched = gcs._Graph.maybe_recompute
-    gcs._Graph.maybe_recompute = prt._ORIG["maybe_recompute"]
+    gcs._Graph.maybe_recompute = pur._ORIG["maybe_recompute"]
     try:
         net = _ReadAssignNet("gcs")
         x_raw = torch.ones(3, requires_grad=True)
@@ -571,8 +595,9 @@ def test_gcs_cleanup_then_torch_checkpoint():
     import sys
 
     def run(mode: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-c", _GCS_THEN_TORCH_CHECKPOINT, mode], capture_output=True,
-                              text=True, timeout=300)
+        return subprocess.run(
+            [sys.executable, "-c", _GCS_THEN_TORCH_CHECKPOINT, mode], capture_output=True, text=True, timeout=300
+        )
 
     plain = run("off")
     assert plain.returncode != 0 and "saved_tensors_hooks __exit__ mismatch" in plain.stderr
@@ -588,7 +613,9 @@ def test_reentrant_checkpoint_in_step_raises_and_changes_nothing(bridge):
     before = _raw_state(pt)
     rf.init_train_step_run_ctx(train_flag=True, step=0)
     x = rf.convert_to_tensor(torch.randn(4, 5, 3, requires_grad=True), dims=[batch_dim, _T, _IN], feature_dim=_IN)
-    with pytest.raises(pu.UpdateError, match=r"'count' at .*test_returnn.py:\d+ was issued during backward.*use_reentrant"):
+    with pytest.raises(
+        pu.UpdateError, match=r"'count' at .*test_returnn.py:\d+ was issued during backward.*use_reentrant"
+    ):
         with pu.step(pt, torch.optim.SGD(pt.parameters(), lr=0.1)):
             y = net(x)
             rf.reduce_sum(y * y, axis=y.dims).raw_tensor.backward()
@@ -649,7 +676,9 @@ def test_phase_of_rf_assign(bridge, how):
     else:
         want = (w - 0.1 * (g + 0.5 * w)) + 0.5
     assert torch.equal(bits(net.w.raw_tensor.detach()), bits(want))
-    assert [r.phase for r in s.schedule() if r.target == "w"] == ["before_grad" if how == "before_grad" else "after_grad"]
+    assert [r.phase for r in s.schedule() if r.target == "w"] == [
+        "before_grad" if how == "before_grad" else "after_grad"
+    ]
 
 
 def test_assign_key_routed(bridge):
@@ -741,8 +770,10 @@ def test_weight_decay_honours_rf_parameter_weight_decay(bridge):
     att = pu.attach(pt, opt)
     ref_params = {k: torch.nn.Parameter(v) for k, v in ref.items()}
     rates = {"a.weight": 0.1, "b.weight": 0.3, "b.bias": 0.3}
-    groups = [{"params": [ref_params[k] for k in ref_params if rates.get(k, 0.0) == r], "weight_decay": r}
-              for r in (0.0, 0.1, 0.3)]
+    groups = [
+        {"params": [ref_params[k] for k in ref_params if rates.get(k, 0.0) == r], "weight_decay": r}
+        for r in (0.0, 0.1, 0.3)
+    ]
     ref_opt = torch.optim.AdamW(groups, lr=0.01)
     gen = torch.Generator().manual_seed(0)
     for _ in range(4):
@@ -760,8 +791,10 @@ def test_weight_decay_honours_rf_parameter_weight_decay(bridge):
         assert torch.equal(bits(p.detach()), bits(ref_params[k].detach())), k
     assert att.steps == 4
     rows = [(r.phase, r.target, r.op) for r in att.schedule()][:2]
-    assert rows == [("before_grad", "a.weight", "weight_decay"),
-                    ("before_grad", "2 tensors (b.weight, b.bias)", "weight_decay")]
+    assert rows == [
+        ("before_grad", "a.weight", "weight_decay"),
+        ("before_grad", "2 tensors (b.weight, b.bias)", "weight_decay"),
+    ]
 
 
 def test_constrain_rf_parameter(bridge):
@@ -772,8 +805,9 @@ def test_constrain_rf_parameter(bridge):
     pt = rf_module_to_pt_module(net)
     pur.constrain(net.a.weight, pu.max_norm(0.05, dim=1))
     opt = torch.optim.SGD(pt.parameters(), lr=0.5)
-    x = rf.convert_to_tensor(torch.randn(6, 3, generator=torch.Generator().manual_seed(0)),
-                             dims=[batch_dim, _IN], feature_dim=_IN)
+    x = rf.convert_to_tensor(
+        torch.randn(6, 3, generator=torch.Generator().manual_seed(0)), dims=[batch_dim, _IN], feature_dim=_IN
+    )
     w0 = net.a.weight.raw_tensor.detach().clone()
     with pu.step(pt, opt) as s:
         rf.reduce_sum(net(x) ** 2, axis=[batch_dim, _IN]).raw_tensor.backward()
@@ -839,9 +873,18 @@ def _wd_include(*, full_param_name: str, **_kwargs: Any) -> bool:
     return full_param_name == "weight"
 
 
-def run_engine(model_dir: str, *, on: bool, ckpt: str = "none", accum: int = 1, num_epochs: int = 1,
-               epoch_end: bool = True, optimizer: Any = None, weight_decay: float = 0.0,
-               extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def run_engine(
+    model_dir: str,
+    *,
+    on: bool,
+    ckpt: str = "none",
+    accum: int = 1,
+    num_epochs: int = 1,
+    epoch_end: bool = True,
+    optimizer: Any = None,
+    weight_decay: float = 0.0,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """One RETURNN Engine training run on Task12AX (20 sequences, 6 steps per epoch); returns its state."""
     if on:
         pur.enable()
@@ -849,10 +892,18 @@ def run_engine(model_dir: str, *, on: bool, ckpt: str = "none", accum: int = 1, 
         # (a tuple of pairs in engine_run's cache key)
         opt = dict(optimizer) if optimizer is not None else {"class": "adam"}
         cfg: dict[str, Any] = dict(
-            task="train", device="cpu", num_epochs=num_epochs, model=os.path.join(model_dir, "model"),
-            random_seed=1, learning_rate=0.01, batch_size=300, torch_dataloader_opts={"num_workers": 0},
-            extern_data={"data": {"dims": [batch_dim, _E_TIME, _E_IN], "dtype": "float32"},
-                         "classes": {"dims": [batch_dim, _E_TIME], "sparse_dim": _E_OUT, "dtype": "int32"}},
+            task="train",
+            device="cpu",
+            num_epochs=num_epochs,
+            model=os.path.join(model_dir, "model"),
+            random_seed=1,
+            learning_rate=0.01,
+            batch_size=300,
+            torch_dataloader_opts={"num_workers": 0},
+            extern_data={
+                "data": {"dims": [batch_dim, _E_TIME, _E_IN], "dtype": "float32"},
+                "classes": {"dims": [batch_dim, _E_TIME], "sparse_dim": _E_OUT, "dtype": "int32"},
+            },
             get_model=GetEngineModel(ckpt, weight_decay, declare_decay=on and weight_decay > 0),
             train_step=engine_train_step,
             optimizer=pur.optimizer(opt) if on else opt,
@@ -877,7 +928,7 @@ def run_engine(model_dir: str, *, on: bool, ckpt: str = "none", accum: int = 1, 
             "opt": engine.get_pt_optimizer().state_dict()["state"],
             "steps": engine.global_train_step,
             "updates": n_updates[0],
-            "schedule": att.schedule() if att is not None else None,
+            "schedule": list(att.schedule()) if att is not None else None,  # rows: a lazy schedule holds its step
             "commits": att.steps if att is not None else None,
             "pending": list(att.pending_schedule()) if att is not None else [],
             "raw_count": _storage(engine.get_pt_model().count),
@@ -912,8 +963,13 @@ def test_engine_bridge_equals_returnn_without_checkpointing(tmp_path_factory):
     assert ours["state"]["count"].item() == 6 and ours["commits"] == 6
     rows = list(ours["schedule"])
     assert [(r.phase, r.target) for r in rows] == [
-        ("grad", "<optimizer parameters>"), ("auxiliary", "count"), ("auxiliary", "bn_in.running_mean"),
-        ("auxiliary", "bn_in.running_variance"), ("auxiliary", "bn.running_mean"), ("auxiliary", "bn.running_variance")]
+        ("grad", "<optimizer parameters>"),
+        ("auxiliary", "count"),
+        ("auxiliary", "bn_in.running_mean"),
+        ("auxiliary", "bn_in.running_variance"),
+        ("auxiliary", "bn.running_mean"),
+        ("auxiliary", "bn.running_variance"),
+    ]
     counter_line = _line_of("the Engine model's counter")
     assert rows[1].origin.endswith(f"{HERE}:{counter_line}")
     assert re.search(r"returnn/frontend/normalization.py:\d+$", rows[4].origin)
@@ -983,26 +1039,44 @@ def test_engine_resume_is_bitwise(tmp_path):
 def test_engine_weight_decay_equals_returnn_adamw(tmp_path_factory, accum):
     """rf.Parameter.weight_decay honoured: Engine with the bridge, Adam and pur.weight_decay (declared in
     get_model) == RETURNN's own AdamW with the same parameters decayed, bitwise, once per real update."""
-    returnn_adamw = engine_run(tmp_path_factory, on=False, accum=accum, optimizer=(
-        ("class", "adamw"), ("weight_decay", 0.05), ("weight_decay_custom_include_check", _wd_include)))
+    returnn_adamw = engine_run(
+        tmp_path_factory,
+        on=False,
+        accum=accum,
+        optimizer=(("class", "adamw"), ("weight_decay", 0.05), ("weight_decay_custom_include_check", _wd_include)),
+    )
     ours = engine_run(tmp_path_factory, on=True, accum=accum, weight_decay=0.05, optimizer=(("class", "adam"),))
     _assert_bitwise(ours["state"], returnn_adamw["state"], "weights")
     assert ours["updates"] == returnn_adamw["updates"] == 6 // accum
     plain_adam = engine_run(tmp_path_factory, on=False, accum=accum)
     assert not torch.equal(ours["state"]["lin.weight"], plain_adam["state"]["lin.weight"])
     if accum == 1:  # RETURNN's own weight-decay grouping, through pur.optimizer's param_groups_custom
-        ours_adamw = engine_run(tmp_path_factory, on=True, accum=accum, optimizer=(
-            ("class", "adamw"), ("weight_decay", 0.05), ("weight_decay_custom_include_check", _wd_include)))
+        ours_adamw = engine_run(
+            tmp_path_factory,
+            on=True,
+            accum=accum,
+            optimizer=(("class", "adamw"), ("weight_decay", 0.05), ("weight_decay_custom_include_check", _wd_include)),
+        )
         _assert_bitwise(ours_adamw["state"], returnn_adamw["state"], "RETURNN's AdamW groups with the bridge")
 
 
 def test_engine_optimizer_needs_enable(tmp_path):
-    config = Config(dict(task="train", device="cpu", model=str(tmp_path / "model"),
-                         extern_data={"data": {"dims": [batch_dim, _E_TIME, _E_IN], "dtype": "float32"},
-                                      "classes": {"dims": [batch_dim, _E_TIME], "sparse_dim": _E_OUT,
-                                                  "dtype": "int32"}},
-                         get_model=GetEngineModel("none"), train_step=engine_train_step,
-                         optimizer=pur.optimizer("adam"), batch_size=300, torch_dataloader_opts={"num_workers": 0}))
+    config = Config(
+        dict(
+            task="train",
+            device="cpu",
+            model=str(tmp_path / "model"),
+            extern_data={
+                "data": {"dims": [batch_dim, _E_TIME, _E_IN], "dtype": "float32"},
+                "classes": {"dims": [batch_dim, _E_TIME], "sparse_dim": _E_OUT, "dtype": "int32"},
+            },
+            get_model=GetEngineModel("none"),
+            train_step=engine_train_step,
+            optimizer=pur.optimizer("adam"),
+            batch_size=300,
+            torch_dataloader_opts={"num_workers": 0},
+        )
+    )
     dataset = init_dataset({"class": "Task12AXDataset", "num_seqs": 4, "name": "train", "fixed_random_seed": 1})
     with global_config_ctx(config), pytest.raises(pu.UpdateError, match=r"not enabled.*enable\(\) at the top"):
         Engine(config=config).init_train_from_config(train_data=dataset)
@@ -1012,4 +1086,3 @@ def test_engine_optimizer_needs_enable(tmp_path):
 def test_engine_refuses_what_skips_the_optimizer_hooks(tmp_path, key, value):
     with pytest.raises(pu.UpdateError, match=f"the config sets {key}, which paramupdates cannot support"):
         run_engine(str(tmp_path), on=True, extra={key: value})
-

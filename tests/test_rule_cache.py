@@ -1,4 +1,4 @@
-"""The one-pass re-check of declared rules (rules/_fast.py): taken when nothing changed,
+"""The one-pass re-check of declared rules (rules/base.py, RuleSet): taken when nothing changed,
 and never when something did: every change below must reach the full checks."""
 
 import copy
@@ -9,6 +9,7 @@ from torch import nn
 
 import paramupdates as pu
 from paramupdates.rules import constraints, ema, weight_decay
+from paramupdates.step import commit_caches
 
 from conftest import assert_same, snapshot
 
@@ -28,7 +29,11 @@ def _declare(m):
 def full_checks(monkeypatch):
     """How many times each rule ran its full check."""
     counts = {"weight_decay": 0, "constrain": 0, "ema": 0}
-    for name, cls in (("weight_decay", weight_decay.WeightDecay), ("constrain", constraints.Constrain), ("ema", ema.EMA)):
+    for name, cls in (
+        ("weight_decay", weight_decay.WeightDecay),
+        ("constrain", constraints.Constrain),
+        ("ema", ema.EMA),
+    ):
         real = cls.check
 
         def check(self, ctx, real=real, name=name):
@@ -55,7 +60,7 @@ def _reference(steps, change=None):
         if change is not None and i == 2:
             change(m, opt)
         stepper = pu.Stepper(m, opt)
-        stepper._rule_cache.clear()
+        commit_caches(stepper.index, opt)[1].clear()
         _step(m, opt, stepper, i)
     return m, opt, averaged
 
@@ -84,7 +89,9 @@ def test_a_fresh_pu_step_per_iteration_shares_the_cache(full_checks):
         with pu.step(m, opt) as s:
             m(x).pow(2).sum().backward()
         opt.zero_grad()
-        copies.append([id(c) for plan in s._pool._plans.values() for _, kept in plan for c in kept])
+        copies.append(
+            [id(c) for plan in commit_caches(s.index, opt)[0]._plans.values() for _, kept in plan for c in kept]
+        )
     assert full_checks == {"weight_decay": 1, "constrain": 1, "ema": 1}
     assert copies[1] == copies[2] == copies[3] and copies[1]  # the same kept buffers every step
     ref, ref_opt, ref_avg = _reference(4)

@@ -57,7 +57,7 @@ def test_values_bitwise_equal_to_torch(conv, stepped):
 
 
 def test_used_twice_in_one_forward_sees_program_order():
-    """Each evaluation runs one power iteration from what the previous one left (rule 1)."""
+    """Each evaluation runs one power iteration from what the previous one left (read-your-writes, rule 1)."""
     ref, mod = _pair()
     x1, x2 = torch.randn(3, 5), torch.randn(3, 5)
     (ref(x1).sum() + ref(x2).square().sum()).backward()

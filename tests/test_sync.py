@@ -110,17 +110,17 @@ def test_fingerprint_ignores_device_index_but_not_layout_or_step():
     """Under NCCL rank r's statistics live on cuda:r: the layout check must not see the index."""
     from types import SimpleNamespace
 
-    from paramupdates.integrations.distributed import _fingerprint
+    from paramupdates.integrations.distributed import layout_fingerprint
 
     def plan(device, name="bn.running_mean", shape=(4,)):
         value = SimpleNamespace(shape=shape, dtype=torch.float32, device=torch.device(device))
         return [((device, "torch.float32"), [SimpleNamespace(name=name, value=value, sync="mean")])]
 
-    fp = _fingerprint(plan("cuda:0"), 1, 2)
-    assert fp == _fingerprint(plan("cuda:1"), 1, 2)
-    assert fp != _fingerprint(plan("cuda:0", name="bn.running_var"), 1, 2)
-    assert fp != _fingerprint(plan("cuda:0", shape=(5,)), 1, 2)
-    assert fp != _fingerprint(plan("cuda:0"), 2, 2)
+    fp = layout_fingerprint(plan("cuda:0"), 1, 2)
+    assert fp == layout_fingerprint(plan("cuda:1"), 1, 2)
+    assert fp != layout_fingerprint(plan("cuda:0", name="bn.running_var"), 1, 2)
+    assert fp != layout_fingerprint(plan("cuda:0", shape=(5,)), 1, 2)
+    assert fp != layout_fingerprint(plan("cuda:0"), 2, 2)
     assert all(0 <= x < 2**11 for x in fp)  # 2 ranks: 11-bit chunks, R * sum(x**2) exact in float32
 
 

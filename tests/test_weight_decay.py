@@ -193,7 +193,7 @@ def test_gradient_accumulation_decays_once_per_optimizer_update(how):
     att = pu.attach(m, opt) if how == "attach" else None
     data = _data(6)
     for k in range(2):
-        micro = data[3 * k: 3 * k + 3]
+        micro = data[3 * k : 3 * k + 3]
         if how == "one_step":
             with pu.step(m, opt):
                 for x in micro:

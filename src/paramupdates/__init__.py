@@ -1,15 +1,21 @@
 """paramupdates: ordered, deterministic, transactional custom updates of parameters.
 
-See DESIGN.md for the rules; every public name's docstring states the
+The rules are in ``docs/design.md``; every public name's docstring states the
 ordering rule that applies to it.
 """
 
-from . import func, nn
+from . import (
+    func,
+    integrations,  # noqa: F401  (its modules register into the core: hooks.py)
+    nn,
+    testing,
+)
 from .conditions import when
 from .errors import AmbiguousOrderError, UpdateError
 from .integrations.checkpoint import checkpoint
 from .nn import convert, recompute_batchnorm_stats
 from .parameter import Parameter
+from .rules.base import Rule
 from .rules.constraints import clamp, constrain, max_norm, min_max_norm, non_neg, unit_norm
 from .rules.ema import ema
 from .rules.weight_decay import weight_decay
@@ -21,6 +27,7 @@ __all__ = [
     "AmbiguousOrderError",
     "Attachment",
     "Parameter",
+    "Rule",
     "Schedule",
     "ScheduleEntry",
     "Stepper",
@@ -43,6 +50,7 @@ __all__ = [
     "read",
     "recompute_batchnorm_stats",
     "step",
+    "testing",
     "unit_norm",
     "weight_decay",
     "when",

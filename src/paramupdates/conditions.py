@@ -1,6 +1,6 @@
 """``pu.when(pred)``: conditional updates.
 
-Rule 6 of DESIGN.md. Inside ``with pu.when(pred):``
+Rule 6 of ``docs/design.md``. Inside ``with pu.when(pred):``
 
 * ``pred`` a Python ``bool`` (``self.training`` is the idiom): ``False``
   records nothing at all, ``True`` records as if there were no condition;
@@ -19,16 +19,13 @@ from contextlib import contextmanager
 
 import torch
 
-from ._origin import call_site
-
-# The condition in force: None (unconditional), False (drop), or a 0-dim bool
-# tensor. A plain module-level list: one training loop per process.
-_STACK: list[bool | torch.Tensor | None] = [None]
+from . import context
+from .origin import call_site
 
 
 def current() -> bool | torch.Tensor | None:
     """The combined condition in force: ``None``, ``False`` or a bool tensor."""
-    return _STACK[-1]
+    return context.conditions[-1]
 
 
 def _combine(outer: bool | torch.Tensor | None, pred: bool | torch.Tensor) -> bool | torch.Tensor | None:
@@ -68,10 +65,11 @@ def when(pred: bool | torch.Tensor) -> Iterator[None]:
     ``pred`` is a Python ``bool`` (``False`` records nothing) or a 0-dim bool
     tensor (each update becomes ``new = torch.where(pred, new, old)``, with no
     host sync). Nested blocks AND their predicates. Reads inside the block see
-    the conditional value, in program order (rule 1).
+    the conditional value, in program order (read-your-writes, rule 1).
     """
-    _STACK.append(_combine(_STACK[-1], _check(pred)))
+    stack = context.conditions
+    stack.append(_combine(stack[-1], _check(pred)))
     try:
         yield
     finally:
-        _STACK.pop()
+        stack.pop()

@@ -59,7 +59,7 @@ def _need(module: str) -> Any:
         return __import__(module, fromlist=["_"])
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise SystemExit(
-            f"paramupdates-demo needs {module.split('.')[0]!r}: pip install \"paramupdates[demo]\" ({exc})"
+            f'paramupdates-demo needs {module.split(".")[0]!r}: pip install "paramupdates[demo]" ({exc})'
         ) from exc
 
 
@@ -298,8 +298,11 @@ def run_demo(
 # ----------------------------------------------------------------------------
 def report(res: Result) -> str:
     """The accuracy lines and the side-by-side checkpointing check."""
-    lines = ["", f"Test accuracy ({res.n_test} held-out digits; the weights are the same in all three,",
-             "only the running statistics that evaluation uses differ):"]
+    lines = [
+        "",
+        f"Test accuracy ({res.n_test} held-out digits; the weights are the same in all three,",
+        "only the running statistics that evaluation uses differ):",
+    ]
     for name in VARIANTS:
         r = res.runs[name]
         lines.append(f"  {name:>9}: model {100 * r.acc[-1]:5.1f} %   EMA copy {100 * r.ema_acc[-1]:5.1f} %")
@@ -322,7 +325,9 @@ def report(res: Result) -> str:
     lines.append(
         "  (torch.nn.BatchNorm2d updates its statistics again when torch.utils.checkpoint recomputes the block in"
     )
-    lines.append("   backward, pytorch/pytorch#96136; pu.checkpoint replays the recorded update instead of re-issuing it.)")
+    lines.append(
+        "   backward, pytorch/pytorch#96136; pu.checkpoint replays the recorded update instead of re-issuing it.)"
+    )
     return "\n".join(lines)
 
 
@@ -340,7 +345,9 @@ def write_plot(runs: dict[str, Run], path: str) -> None:
         ax_loss.plot(r.loss, label=name, **styles[name])
         epochs = range(1, len(r.acc) + 1)
         ax_acc.plot(epochs, [100 * a for a in r.acc], marker="o", label=f"{name} model", **styles[name])
-        ax_acc.plot(epochs, [100 * a for a in r.ema_acc], marker="s", label=f"{name} EMA", **{**styles[name], "alpha": 0.3})
+        ax_acc.plot(
+            epochs, [100 * a for a in r.ema_acc], marker="s", label=f"{name} EMA", **{**styles[name], "alpha": 0.3}
+        )
         rm = list(zip(*r.running_mean))
         for c, series in enumerate(rm):
             ax_rm.plot(series, label=name if c == 0 else None, **styles[name])
@@ -365,7 +372,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--epochs", type=int, default=8, help="training epochs (default 8)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the split, the initialisation and the batches")
-    ap.add_argument("--out", default="paramupdates-demo-out", help="directory of the plot (default ./paramupdates-demo-out)")
+    ap.add_argument(
+        "--out", default="paramupdates-demo-out", help="directory of the plot (default ./paramupdates-demo-out)"
+    )
     ap.add_argument("--no-plot", action="store_true", help="do not write the PNG plot")
     ap.add_argument("--train-size", type=int, default=None, help="use only this many training images (quick runs)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: the model is tiny)")

@@ -11,7 +11,7 @@ off). With paramupdates the module *issues* its updates; under
 
 ``new_buffers`` maps the qualified name of every target updated during the
 call (``"bn.running_mean"``, ``"bn.num_batches_tracked"``...) to its new
-value, computed out of place in program order (rule 1: later reads inside
+value, computed out of place in program order (read-your-writes, rule 1: later reads inside
 the call see earlier updates); nothing of ``model`` or of the tensors passed
 in is written. It is an ordinary output, so it composes with the transforms:
 
@@ -33,9 +33,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _state
+from . import context
+from .journal import Journal
 from .targets import ModelIndex
-from .transaction import Transaction
 from .updates import assign
 
 __all__ = ["commit", "functional_call"]
@@ -55,20 +55,19 @@ def functional_call(
     Arguments as ``torch.func.functional_call``. Returns ``(output, updates)``
     where ``updates`` is ``{qualified name: new value}`` for every parameter
     or buffer an update was issued on (see the module docstring). Updates of
-    trainable parameters need a phase (rule 5), as in a step.
+    trainable parameters need a phase (ambiguity is an error, rule 5), as in a step.
     """
-    tx = Transaction(ModelIndex(module), None, check_finite=False, atomic=False, label="pu.func.functional_call")
-    _state.explicit.append(tx)
+    j = Journal(ModelIndex(module), None, "pu.func.functional_call")
+    context.explicit.append(j)
     try:
         out = torch.func.functional_call(
             module, parameter_and_buffer_dicts, args, kwargs, tie_weights=tie_weights, strict=strict
         )
     finally:
-        tx.remove_overlay()
-        if tx in _state.explicit:
-            _state.explicit.remove(tx)
-        tx.state = "closed"
-    updates = {e.name: e.value for e in tx.entries.values() if e.value is not None}
+        if j in context.explicit:
+            context.explicit.remove(j)
+        j.discard()
+    updates = {e.name: e.value for e in j.entries.values() if e.value is not None}
     return out, updates
 
 

@@ -2,8 +2,9 @@
 
 Inside a step, every use of a ``pu.Parameter`` (any op, ``print``, indexing,
 passing it to a module) sees its pending value: the updates issued before the
-read, in program order (rule 1). Its storage is written only at commit
-(rule 2). Outside a step it is an ordinary parameter.
+read, in program order (read-your-writes, rule 1 of ``docs/design.md``). Its
+storage is written only at commit (deferred commit, rule 2). Outside a step it is an ordinary
+parameter.
 """
 
 from __future__ import annotations
@@ -12,30 +13,67 @@ from typing import Any
 
 import torch
 
-from . import _state
+from . import context
+from .updates import issue
 
 # Attributes that describe the parameter object itself, never its value.
 _STATE_ATTRS = frozenset(
     {
-        "grad", "_grad", "data", "requires_grad", "is_leaf", "grad_fn", "_grad_fn", "_version",
-        "_base", "retains_grad", "_backward_hooks", "_post_accumulate_grad_hooks", "names",
-        "shape", "dtype", "device", "layout", "is_cuda", "ndim", "_cdata", "output_nr",
+        "grad",
+        "_grad",
+        "data",
+        "requires_grad",
+        "is_leaf",
+        "grad_fn",
+        "_grad_fn",
+        "_version",
+        "_base",
+        "retains_grad",
+        "_backward_hooks",
+        "_post_accumulate_grad_hooks",
+        "names",
+        "shape",
+        "dtype",
+        "device",
+        "layout",
+        "is_cuda",
+        "ndim",
+        "_cdata",
+        "output_nr",
     }
 )
 # Methods that act on the object (hooks, storage, in-place writes), never on its value.
 _OBJECT_METHODS = frozenset(
     {
-        "backward", "register_hook", "register_post_accumulate_grad_hook", "retain_grad",
-        "__setstate__", "__reduce_ex__", "__deepcopy__", "untyped_storage", "storage",
-        "_typed_storage", "data_ptr", "is_shared", "__setitem__", "size", "dim", "numel",
-        "element_size", "stride", "storage_offset", "is_contiguous", "__len__", "__hash__",
+        "backward",
+        "register_hook",
+        "register_post_accumulate_grad_hook",
+        "retain_grad",
+        "__setstate__",
+        "__reduce_ex__",
+        "__deepcopy__",
+        "untyped_storage",
+        "storage",
+        "_typed_storage",
+        "data_ptr",
+        "is_shared",
+        "__setitem__",
+        "size",
+        "dim",
+        "numel",
+        "element_size",
+        "stride",
+        "storage_offset",
+        "is_contiguous",
+        "__len__",
+        "__hash__",
     }
 )
 
 
 def _sub(a: Any) -> Any:
     if isinstance(a, Parameter):
-        e = _state.pu_pending.get(id(a))
+        e = context.pu_pending.get(id(a))
         if e is not None and e.target is a and e.value is not None:
             return e.value
         return a
@@ -81,6 +119,7 @@ class Parameter(torch.nn.Parameter):
 
     auxiliary: bool
     weight_decay: float | None
+    reads_pending = True  # reads see the pending value (overlay.shows_through)
 
     def __new__(
         cls,
@@ -118,7 +157,7 @@ class Parameter(torch.nn.Parameter):
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if kwargs is None:
             kwargs = {}
-        if _state.pu_pending and _substitutes(func):
+        if context.pu_pending and _substitutes(func):
             args = tuple(_sub(a) for a in args)
             if kwargs:
                 kwargs = {k: _sub(v) for k, v in kwargs.items()}
@@ -128,27 +167,19 @@ class Parameter(torch.nn.Parameter):
     # -- methods: the update functions, bound ----------------------------
     def assign(self, value: Any, *, phase: str | None = None, sync: str | None = None) -> None:
         """``self <- value``; see :func:`paramupdates.assign`."""
-        from .updates import _issue
-
-        _issue("assign", self, value, None, phase, sync)
+        issue("assign", self, value, None, phase, sync)
 
     def assign_add(self, delta: Any, *, phase: str | None = None, sync: str | None = None) -> None:
         """``self <- self + delta``; see :func:`paramupdates.assign_add`."""
-        from .updates import _issue
-
-        _issue("assign_add", self, delta, None, phase, sync)
+        issue("assign_add", self, delta, None, phase, sync)
 
     def assign_sub(self, delta: Any, *, phase: str | None = None, sync: str | None = None) -> None:
         """``self <- self - delta``; see :func:`paramupdates.assign_sub`."""
-        from .updates import _issue
-
-        _issue("assign_sub", self, delta, None, phase, sync)
+        issue("assign_sub", self, delta, None, phase, sync)
 
     def assign_key(self, key: Any, value: Any, *, phase: str | None = None, sync: str | None = None) -> None:
         """``self[key] <- value``; see :func:`paramupdates.assign_key`."""
-        from .updates import _issue
-
-        _issue("assign_key", self, value, key, phase, sync)
+        issue("assign_key", self, value, key, phase, sync)
 
     # -- copying and pickling keep the subclass and its attributes --------
     def __deepcopy__(self, memo: dict[int, Any]) -> Parameter:
@@ -175,3 +206,8 @@ class Parameter(torch.nn.Parameter):
 
 def _rebuild(data: torch.Tensor, requires_grad: bool, auxiliary: bool, weight_decay: float | None) -> Parameter:
     return Parameter(data, trainable=requires_grad, auxiliary=auxiliary, weight_decay=weight_decay)
+
+
+# torch.load(weights_only=True), the default since torch 2.6, loads only allowlisted globals: a
+# state_dict(keep_vars=True) or a whole model holding pu.Parameters pickles _rebuild.
+torch.serialization.add_safe_globals([Parameter, _rebuild])

@@ -1,36 +1,25 @@
 """The printable plan of a step: what a commit writes, in which order.
 
 ``Stepper.schedule()`` returns a :class:`Schedule`, a sequence of
-:class:`ScheduleEntry` rows in commit order (rule 4 of DESIGN.md):
-
-1. ``before_grad``: declared rules, then updates issued with that phase;
-2. ``grad``: the optimizer's step;
-3. ``after_grad``: declared constraints, then updates issued with that phase;
-4. ``auxiliary``: unphased updates of non-trainable targets;
-5. ``after_step``: EMA and other rules that read the final values.
-
-Inside a phase, rows are in declaration / issue order.
+:class:`ScheduleEntry` rows in commit order (phase order, rule 4 of ``docs/design.md``,
+the phases of ``phases.py``): inside a phase, declared rules in declaration
+order, then issued updates in issue order. The rows are made when the
+schedule is first read, not at commit (a commit only keeps what they are
+made from), so a loop that never looks at its schedule does not pay for it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import overload
-
-BEFORE_GRAD = "before_grad"
-GRAD = "grad"
-AFTER_GRAD = "after_grad"
-AUXILIARY = "auxiliary"
-AFTER_STEP = "after_step"
-PHASES: tuple[str, ...] = (BEFORE_GRAD, GRAD, AFTER_GRAD, AUXILIARY, AFTER_STEP)
 
 
 @dataclass(frozen=True)
 class ScheduleEntry:
     """One row of a step's plan.
 
-    ``phase`` is one of :data:`PHASES`; ``target`` the qualified name of the
+    ``phase`` is one of ``phases.PHASES``; ``target`` the qualified name of the
     tensor written; ``op`` the operation (``assign``, ``assign_add``, a rule's
     name, or the optimizer's step); ``condition`` ``"-"`` or the ``when``
     predicate kind; ``origin`` the ``file:line`` where it was issued or
@@ -45,10 +34,28 @@ class ScheduleEntry:
 
 
 class Schedule(Sequence[ScheduleEntry]):
-    """An ordered, immutable list of :class:`ScheduleEntry`; prints as a table."""
+    """An ordered, immutable list of :class:`ScheduleEntry`; prints as a table.
+
+    ``Schedule(rows)``, or ``Schedule.later(make)``: the rows are ``make()``, called once, when first read.
+    """
 
     def __init__(self, rows: Sequence[ScheduleEntry] = ()) -> None:
-        self._rows = tuple(rows)
+        self._made: tuple[ScheduleEntry, ...] | None = tuple(rows)
+        self._make: Callable[[], Sequence[ScheduleEntry]] | None = None
+
+    @classmethod
+    def later(cls, make: Callable[[], Sequence[ScheduleEntry]]) -> Schedule:
+        """A schedule whose rows are made by ``make()`` when first read."""
+        s = cls()
+        s._made, s._make = None, make
+        return s
+
+    @property
+    def _rows(self) -> tuple[ScheduleEntry, ...]:
+        if self._made is None:
+            assert self._make is not None
+            self._made, self._make = tuple(self._make()), None
+        return self._made
 
     @overload
     def __getitem__(self, i: int) -> ScheduleEntry: ...
@@ -81,10 +88,7 @@ class Schedule(Sequence[ScheduleEntry]):
 
     def __str__(self) -> str:
         header = ("#", "phase", "target", "op", "condition", "origin")
-        body = [
-            (str(i), r.phase, r.target, r.op, r.condition, r.origin)
-            for i, r in enumerate(self._rows)
-        ]
+        body = [(str(i), r.phase, r.target, r.op, r.condition, r.origin) for i, r in enumerate(self._rows)]
         if not body:
             return "(empty schedule)"
         widths = [max(len(row[c]) for row in [header, *body]) for c in range(len(header))]

@@ -1,6 +1,8 @@
 """One training step as a transaction: ``pu.step``, ``pu.Stepper``, ``pu.attach``.
 
-Commit order (rule 4 of DESIGN.md), fixed:
+A step records the updates issued during it (``journal.Journal``) and commits
+them through one driver (``commit.Commit``) in the fixed phase order of rule 4
+(``docs/design.md``; ``phases.py``):
 
 1. ``before_grad``: declared rules (weight decay), then updates issued with
    ``phase="before_grad"``, in declaration / issue order;
@@ -10,126 +12,108 @@ Commit order (rule 4 of DESIGN.md), fixed:
 5. ``after_step``: EMA and other rules that read the final values.
 
 Updates to one target within a phase compose in issue order. A step commits
-on a clean exit and discards everything on an exception; after any error,
-every parameter and buffer is bitwise what it was before the step (rule 7).
+on a clean exit and discards everything on an exception; every check runs
+before the first write (validated commit, rule 7).
 """
 
 from __future__ import annotations
 
-import datetime
 import functools
+import types
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 from torch import nn
 
-from . import _state
-from ._origin import call_site
-from ._snapshot import SnapshotPool
+from . import context
+from .commit import Commit
 from .errors import UpdateError
-from .integrations.distributed import check_group
-from .rules._fast import RuleCache
-from .rules.base import rules_for
-from .schedule import AFTER_GRAD, AFTER_STEP, AUXILIARY, BEFORE_GRAD, Schedule
+from .journal import Entry, Journal
+from .options import StepOptions, StepOptionsDict, make_options
+from .origin import call_site
+from .rollback import SnapshotPool
+from .rules.base import RuleSet, rules_for
+from .schedule import Schedule
 from .targets import ModelIndex, index_of
-from .transaction import Entry, Transaction
-
-_NONFINITE = ("raise", "skip")
-
-
-def _check_nonfinite(on_nonfinite: str) -> None:
-    if on_nonfinite not in _NONFINITE:
-        raise ValueError(f"on_nonfinite must be 'raise' or 'skip', not {on_nonfinite!r}")
-
 
 _CACHES: weakref.WeakKeyDictionary[ModelIndex, list[Any]] = weakref.WeakKeyDictionary()
 
 
-def _commit_caches(index: ModelIndex, optimizer: torch.optim.Optimizer | None) -> tuple[SnapshotPool, RuleCache]:
-    """The snapshot pool and rule cache of ``(model, optimizer)``, shared by every ``pu.step``,
+def commit_caches(index: ModelIndex, optimizer: torch.optim.Optimizer | None) -> tuple[SnapshotPool, RuleSet]:
+    """The rollback copies and the rule set of ``(model, optimizer)``, shared by every ``pu.step``,
     ``Stepper`` and attachment on them (commits on one model run one at a time; a commit nested in
-    another's optimizer step takes fresh copies, see ``_snapshot``). They live as long as both do."""
+    another's optimizer step takes fresh copies, see ``rollback``). They live as long as both do."""
     per = _CACHES.get(index)
     if per is None:
         per = _CACHES[index] = [None, weakref.WeakKeyDictionary()]
     if optimizer is None:
         if per[0] is None:
-            per[0] = (SnapshotPool(), RuleCache())
+            per[0] = (SnapshotPool(), RuleSet())
         return per[0]
     caches = per[1].get(optimizer)
     if caches is None:
-        caches = per[1][optimizer] = (SnapshotPool(), RuleCache())
+        caches = per[1][optimizer] = (SnapshotPool(), RuleSet())
     return caches
 
 
 class _Owner:
-    """What Stepper and Attachment share: the model, counters, schedule, state."""
+    """What Stepper and Attachment share: the model, the options, counters, the last schedule, state."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer | None,
-        on_nonfinite: str,
-        check_finite: bool,
-        atomic: bool,
-        process_group: Any = None,
-        sync_timeout: float | datetime.timedelta | None = None,
-    ) -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, options: StepOptions) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
-        _check_nonfinite(on_nonfinite)
-        self.process_group = process_group
-        self.sync_timeout = check_group(process_group, sync_timeout)
-        # Steps closed so far (committed, skipped, discarded or rolled back); a
-        # commit's sync sends it so that ranks check they commit the same step
-        # (rule 9). Read and written only outside the forward (commit, discard):
-        # a value read in a compiled forward would be guarded on, and recompile.
-        self._closed = 0
         self.model = model
         self.optimizer = optimizer
-        self.on_nonfinite = on_nonfinite
-        self.check_finite = check_finite
-        self.atomic = atomic
+        self.options = options
         self.index = index_of(model)
         self.steps = 0
         self.skipped_steps = 0
+        # Steps closed so far (committed, skipped, discarded or rolled back); a
+        # commit's sync sends it so that ranks check they commit the same step
+        # (distributed sync, rule 9). Read and written only outside the forward (commit, discard):
+        # a value read in a compiled forward would be guarded on, and recompile.
+        self._closed = 0
         self._last = Schedule()
-        # rollback copies kept between commits (CPU), and what the last full check of the rules saw:
-        # per model and optimizer, so that a fresh pu.step(model, opt) per iteration reuses them
-        self._pool, self._rule_cache = _commit_caches(self.index, optimizer)
+        self._last_skipped = False
 
-    def _new_tx(self, label: str) -> Transaction:
-        return Transaction(
-            self.index,
-            self.optimizer,
-            check_finite=self.check_finite,
-            on_nonfinite=self.on_nonfinite,
-            atomic=self.atomic,
-            label=label,
-            process_group=self.process_group,
-            sync_timeout=self.sync_timeout,
-            pool=self._pool,
-            rule_cache=self._rule_cache,
-        )
+    def _commit(self, journal: Journal, optimizer: torch.optim.Optimizer | None) -> Commit:
+        c = Commit(journal, optimizer, self.options, commit_caches(self.index, optimizer), self._closed)
+        self._closed += 1
+        return c
+
+    def _committed(self, c: Commit) -> None:
+        """Count a finished commit and keep its plan."""
+        if c.skipped:
+            self.skipped_steps += 1
+        else:
+            self.steps += 1
+        self._last_skipped = c.skipped
+        self._last = c.schedule()
+
+    def _open_journal(self) -> Journal | None:
+        raise NotImplementedError
+
+    @property
+    def skipped(self) -> bool:
+        """Whether the last step was dropped for a non-finite value."""
+        return self._last_skipped
 
     def schedule(self) -> Schedule:
         """The plan of the last committed step (phase, target, op, condition, origin)."""
         return self._last
 
-    def _open_tx(self) -> Transaction | None:
-        raise NotImplementedError
-
     def pending_schedule(self) -> Schedule:
         """The plan so far of the step in progress (empty if none is open)."""
-        tx = self._open_tx()
-        if tx is None:
+        j = self._open_journal()
+        if j is None:
             return Schedule()
-        tx.collect_rules()
-        return tx.schedule()
+        c = Commit(j, self.optimizer, self.options, None, self._closed)
+        c.rules = rules_for(self.index)
+        return c.schedule()
 
     def state_dict(self) -> dict[str, Any]:
         """Counters and the state of every rule that applies to the model (EMA copies, counters)."""
@@ -155,58 +139,25 @@ class _Owner:
         self.steps = int(state["steps"])
         self.skipped_steps = int(state["skipped_steps"])
 
-    def _commit_all(self, tx: Transaction, closure: Any = None) -> Any:
-        """prepare -> before_grad -> grad -> after_grad -> auxiliary -> after_step."""
-        out = None
-        tx.seq = self._closed
-        self._closed += 1
-        try:
-            if not tx.prepare():
-                self.skipped_steps += 1
-                self._last = tx.schedule()
-                return None
-            plan = tx.schedule()
-            tx.save_rules()
-            tx.run_phase(BEFORE_GRAD)
-            out = tx.run_grad(closure)
-            for phase in (AFTER_GRAD, AUXILIARY, AFTER_STEP):
-                tx.run_phase(phase)
-        except BaseException:
-            tx.rollback()
-            raise
-        tx.finish()
-        self.steps += 1
-        self._last = plan
-        return out
-
 
 class Stepper(_Owner):
     """A training step as a transaction over ``model`` (and ``optimizer``).
 
     ``with stepper: ...`` (or ``stepper.run(fn, *args)``) opens a step; updates
-    issued inside are recorded, reads see them in program order (rule 1), and
-    nothing is written (rule 2) until the block exits cleanly, when the commit
-    applies the phases in the fixed order of rule 4 (``optimizer.step()`` is
+    issued inside are recorded, reads see them in program order (read-your-writes, rule 1), and
+    nothing is written (deferred commit, rule 2) until the block exits cleanly, when the commit
+    applies the phases in their fixed order (phase order, rule 4; ``optimizer.step()`` is
     called by the commit, between ``before_grad`` and ``after_grad``). On an
-    exception the step is discarded, and every tensor is bitwise as before.
+    exception the step is discarded.
 
     Args:
         model: the module whose parameters and buffers may be targets.
         optimizer: stepped at commit; ``None`` for steps without a gradient update.
-        on_nonfinite: ``"raise"`` (an :class:`UpdateError`) or ``"skip"`` (drop
-            the whole step, optimizer included, and count it in ``skipped_steps``).
-        check_finite: check pending values for NaN/inf at commit (one batched
-            reduction and one host sync per step).
-        atomic: snapshot what the commit writes, so that an exception raised
-            by the optimizer or a rule restores everything (costs one copy of
-            the written tensors during the commit).
-        closure: passed to ``optimizer.step(closure)`` (LBFGS and friends).
-        process_group: the ``torch.distributed`` group that ``sync="mean"``/``"sum"``
-            updates reduce over at commit (rule 9); ``None``: the default group.
-            Every rank of the group must commit its steps together.
-        sync_timeout: seconds (or a ``timedelta``) to wait for the other ranks at
-            the commit's all-reduce before raising :class:`UpdateError`; ``None``:
-            the group's own timeout (``init_process_group(timeout=...)``).
+        closure: passed to ``optimizer.step(closure)`` (LBFGS and friends); the
+            commit's checks and ``before_grad`` run right after its first call,
+            when the gradients exist. Updates it issues join the step.
+        **options: see :class:`~paramupdates.options.StepOptions` (``on_nonfinite``,
+            ``check_finite``, ``atomic``, ``process_group``, ``sync_timeout``).
     """
 
     def __init__(
@@ -214,77 +165,35 @@ class Stepper(_Owner):
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
         *,
-        on_nonfinite: str = "raise",
-        check_finite: bool = True,
-        atomic: bool = True,
         closure: Callable[[], Any] | None = None,
-        process_group: Any = None,
-        sync_timeout: float | datetime.timedelta | None = None,
+        **options: Unpack[StepOptionsDict],
     ) -> None:
-        super().__init__(model, optimizer, on_nonfinite, check_finite, atomic, process_group, sync_timeout)
+        super().__init__(model, optimizer, make_options(dict(options), "pu.Stepper"))
         self.closure = closure
-        self._tx: Transaction | None = None
-        self.result: Any = None
-
-    @property
-    def skipped(self) -> bool:
-        """Whether the last step was dropped for a non-finite value."""
-        return self._last_skipped
-
-    _last_skipped = False
+        self._journal: Journal | None = None
 
     @contextmanager
     def step(self, closure: Callable[[], Any] | None = None) -> Iterator[Stepper]:
         """Context manager: one step; commits on a clean exit, discards on an exception."""
-        self._open()
-        tx = self._tx
-        assert tx is not None
+        j = self._open()
         try:
             yield self
         except BaseException:
-            self._close(tx)
-            tx.discard()
-            self._closed += 1
+            self._discard(j)
             raise
-        self._close(tx)
-        self._finish(tx, closure if closure is not None else self.closure)
-
-    def _open(self) -> None:
-        site = call_site(4)
-        if _state.explicit:
-            other = _state.explicit[-1]
-            raise UpdateError(
-                f"pu.step at {site} for {type(self.model).__name__}: a step is already in progress "
-                f"({other.label}, for {type(other.index.model).__name__}); pu.step blocks do not nest. "
-                "Finish the outer step first, or open one step on a module that contains both models."
-            )
-        tx = self._new_tx(f"pu.step at {site}")
-        self._tx = tx
-        _state.explicit.append(tx)
-
-    def _close(self, tx: Transaction) -> None:
-        if _state.explicit and _state.explicit[-1] is tx:
-            _state.explicit.pop()
-        self._tx = None
-
-    def _finish(self, tx: Transaction, closure: Any) -> None:
-        before = self.skipped_steps
-        self.result = self._commit_all(tx, closure)
-        self._last_skipped = self.skipped_steps != before
+        self._finish(j, closure if closure is not None else self.closure)
 
     def __enter__(self) -> Stepper:
         self._open()
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        tx = self._tx
-        assert tx is not None
-        self._close(tx)
+        j = self._journal
+        assert j is not None
         if exc_type is not None:
-            tx.discard()
-            self._closed += 1
+            self._discard(j)
             return
-        self._finish(tx, self.closure)
+        self._finish(j, self.closure)
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``fn(*args, **kwargs)`` inside one step and commit; returns ``fn``'s result."""
@@ -292,20 +201,49 @@ class Stepper(_Owner):
             out = fn(*args, **kwargs)
         return out
 
-    def _open_tx(self) -> Transaction | None:
-        return self._tx
+    def _open(self) -> Journal:
+        site = call_site(2)
+        if context.explicit:
+            other = context.explicit[-1]
+            raise UpdateError(
+                f"pu.step at {site} for {type(self.model).__name__}: a step is already in progress "
+                f"({other.label}, for {type(other.index.model).__name__}); pu.step blocks do not nest. "
+                "Finish the outer step first, or open one step on a module that contains both models."
+            )
+        j = Journal(self.index, self.optimizer, f"pu.step at {site}")
+        self._journal = j
+        context.explicit.append(j)
+        return j
+
+    def _close(self, j: Journal) -> None:
+        if context.explicit and context.explicit[-1] is j:
+            context.explicit.pop()
+        self._journal = None
+
+    def _discard(self, j: Journal) -> None:
+        self._close(j)
+        j.discard()
+        self._closed += 1
+
+    def _finish(self, j: Journal, closure: Any) -> None:
+        # the journal stays routable while the commit runs: a closure's forward records into it
+        c = self._commit(j, self.optimizer)
+        try:
+            c.run(closure)
+        finally:
+            self._close(j)
+        self._committed(c)
+
+    def _open_journal(self) -> Journal | None:
+        return self._journal
 
 
 def step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     *,
-    on_nonfinite: str = "raise",
-    check_finite: bool = True,
-    atomic: bool = True,
     closure: Callable[[], Any] | None = None,
-    process_group: Any = None,
-    sync_timeout: float | datetime.timedelta | None = None,
+    **options: Unpack[StepOptionsDict],
 ) -> Any:
     """One training step as a transaction (context manager yielding a :class:`Stepper`).
 
@@ -313,19 +251,11 @@ def step(
     issued in the block and, on a clean exit, commits them in the fixed phase
     order (``before_grad``, ``optimizer.step()``, ``after_grad``,
     ``auxiliary``, ``after_step``). An exception discards the step.
-    ``s.schedule()`` afterwards is the committed plan. ``process_group`` and
-    ``sync_timeout``: see :class:`Stepper` (rule 9).
+    ``s.schedule()`` afterwards is the committed plan. ``closure`` and
+    ``**options`` (``on_nonfinite="raise"`` or ``"skip"``, ``check_finite``,
+    ``atomic``, ``process_group``, ``sync_timeout``): see :class:`Stepper`.
     """
-    return Stepper(
-        model,
-        optimizer,
-        on_nonfinite=on_nonfinite,
-        check_finite=check_finite,
-        atomic=atomic,
-        closure=closure,
-        process_group=process_group,
-        sync_timeout=sync_timeout,
-    ).step()
+    return Stepper(model, optimizer, closure=closure, **options).step()
 
 
 class Attachment(_Owner):
@@ -335,7 +265,10 @@ class Attachment(_Owner):
     first one ever) and commits inside the next ``optimizer.step()``: the
     step pre-hook validates everything and applies ``before_grad``; the
     optimizer updates the gradients; the post-hook applies ``after_grad``,
-    ``auxiliary`` and ``after_step``.
+    ``auxiliary`` and ``after_step``. Called with a closure
+    (``optimizer.step(closure)``: LBFGS, Lightning), the validation and
+    ``before_grad`` run right after the closure's first call, when the
+    gradients exist.
 
     With no optimizer step to come (evaluation, statistics recomputation),
     call :meth:`flush` to commit the pending updates without a gradient
@@ -346,55 +279,56 @@ class Attachment(_Owner):
 
     If ``optimizer.step()`` itself raises (the optimizer, a rule, validation),
     the step is rolled back before the exception propagates: ``attach`` wraps
-    ``optimizer.step`` on the instance for that (``detach()`` unwraps it). An
-    exception in your own code before ``optimizer.step()`` is invisible to the
-    attachment: call :meth:`discard` in your ``except`` block to drop the
-    updates recorded so far. (Should the class's ``step`` be called around
-    the wrapper and raise, the next ``optimizer.step()``, :meth:`flush` or
-    :meth:`state_dict` rolls it back, with a warning.)
+    ``optimizer.step`` on the instance for that (a bound method, so that an LR
+    scheduler made before or after ``attach`` wraps it in turn; ``detach()``
+    unwraps it). An exception in your own code before ``optimizer.step()`` is
+    invisible to the attachment: call :meth:`discard` in your ``except`` block
+    to drop the updates recorded so far. (Should the class's ``step`` be
+    called around the wrapper and raise, the next ``optimizer.step()``,
+    :meth:`flush` or :meth:`state_dict` rolls it back, with a warning.)
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        *,
-        on_nonfinite: str = "raise",
-        check_finite: bool = True,
-        atomic: bool = True,
-        process_group: Any = None,
-        sync_timeout: float | datetime.timedelta | None = None,
-    ) -> None:
-        super().__init__(model, optimizer, on_nonfinite, check_finite, atomic, process_group, sync_timeout)
-        self.tx: Transaction | None = None
-        self._in_step = False
-        self._skip_grads: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
-        self._plan = Schedule()
-        for other in _state.attachments:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, **options: Unpack[StepOptionsDict]) -> None:
+        optimizer = hookable(optimizer)
+        super().__init__(model, optimizer, make_options(dict(options), "pu.attach"))
+        self.journal: Journal | None = None  # the step being recorded (or committed)
+        self.commit: Commit | None = None  # its commit, between the pre- and post-hook
+        for other in context.attachments:
             if other.model is model:
                 raise UpdateError(
                     f"pu.attach: {type(model).__name__} is already attached; detach() the first attachment."
                 )
         self._pre = optimizer.register_step_pre_hook(self._pre_hook)
         self._post = optimizer.register_step_post_hook(self._post_hook)
-        # optimizer.step is wrapped on the instance (as lr schedulers once did) so
-        # that an exception raised inside it rolls the commit back at once.
         self._calls = 0
+        self._step_calls = 0
         self._nested = 0
+        self._hooks_running = False
+        self._detached = False
+        self._wrap_step(optimizer)
+        context.attachments.append(self)
+
+    # optimizer.step on the instance ----------------------------------------
+    def _wrap_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Wrap ``optimizer.step`` on the instance so that an exception inside it rolls the commit back
+        at once. A bound method (``torch.optim.lr_scheduler`` wraps ``opt.step.__func__``), keeping the
+        marks of a wrapper already there (an LR scheduler's ``_wrapped_by_lr_sched``)."""
         self._orig_step = optimizer.step
         self._prev_step_attr = optimizer.__dict__.get("step")  # an instance wrapper already there
-        guarded = self._guarded_step
+        attachment = weakref.ref(self)
+        orig = self._orig_step
 
         @functools.wraps(type(optimizer).step)
-        def step(*args: Any, **kwargs: Any) -> Any:
-            return guarded(*args, **kwargs)
+        def step(opt: Any, *args: Any, **kwargs: Any) -> Any:
+            att = attachment()
+            if att is None or att._detached:
+                return orig(*args, **kwargs)
+            return att._guarded_step(*args, **kwargs)
 
-        # keep the marks of an instance wrapper already there (an LR scheduler's
-        # _wrapped_by_lr_sched), so that the scheduler does not warn
-        step.__dict__.update(getattr(self._orig_step, "__dict__", {}))
-        self._guard = step
+        step.__dict__.update(getattr(orig, "__dict__", {}))
+        step.__dict__.pop("__wrapped__", None)
+        self._guard = types.MethodType(step, optimizer)
         optimizer.step = self._guard  # type: ignore[method-assign]
-        _state.attachments.append(self)
 
     def _guarded_step(self, *args: Any, **kwargs: Any) -> Any:
         """``optimizer.step``: on an exception the step is rolled back before it propagates."""
@@ -402,27 +336,28 @@ class Attachment(_Owner):
         try:
             return self._orig_step(*args, **kwargs)
         except BaseException:
-            if self._in_step:
+            if self.commit is not None:
                 self._abort()
             raise
         finally:
             self._calls -= 1
 
-    # routing -------------------------------------------------------------
-    def route(self, t: torch.Tensor) -> tuple[Transaction | None, Entry | None]:
+    # routing -----------------------------------------------------------------
+    def route(self, t: torch.Tensor, compiling: bool = False) -> tuple[Journal | None, Entry | None]:
+        """The journal that records an update of ``t`` (opening a step if none is open)."""
         # Under dynamo the shortcut would guard on id(t) of a pending value and
         # recompile per micro-batch; traced code resolves by identity instead.
-        if not torch.compiler.is_compiling() and self._owned_elsewhere(t):
+        if not compiling and self._owned_elsewhere(t):
             return None, None
         # Between the pre- and post-hook (inside optimizer.step(), e.g. an LBFGS
         # closure) updates join the committing step and land in its later phases.
-        if self.tx is not None:
-            e = self.tx.find(t)
-            return (self.tx, e) if e is not None else (None, None)
+        if self.journal is not None:
+            e = self.journal.find(t, True, compiling)
+            return (self.journal, e) if e is not None else (None, None)
         if self.index.lookup(t) is None:
             return None, None
-        self.tx = self._new_tx(f"pu.attach({type(self.model).__name__})")
-        return self.tx, self.tx.find(t)
+        self.journal = Journal(self.index, self.optimizer, f"pu.attach({type(self.model).__name__})")
+        return self.journal, self.journal.find(t, True, compiling)
 
     def _owned_elsewhere(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is known (without rebuilding any index) to belong to another model only.
@@ -435,78 +370,70 @@ class Attachment(_Owner):
         """
         if self.index.peek(t) is not None:
             return False
-        if self.tx is not None and self.tx.find(t, create=False) is not None:
+        if self.journal is not None and self.journal.find(t, create=False) is not None:
             return False
-        for tx in _state.explicit:
-            if tx.index.peek(t) is not None:
+        for j in context.explicit:
+            if j.index.peek(t) is not None:
                 return True
-        return any(other is not self and other.index.peek(t) is not None for other in _state.attachments)
+        return any(other is not self and other.index.peek(t) is not None for other in context.attachments)
 
+    # the commit ----------------------------------------------------------------
     def _recover(self) -> None:
         """Roll back a commit whose optimizer step raised (no post-hook came)."""
-        if self._in_step and not self._hooks_running and not self._inside_own_step():
-            warnings.warn(
-                "pu.attach: the last optimizer.step() raised; its step was rolled back.", stacklevel=3
-            )
+        if self.commit is not None and not self._hooks_running and not self._inside_own_step():
+            warnings.warn("pu.attach: the last optimizer.step() raised; its step was rolled back.", stacklevel=3)
             self._abort()
-
-    _hooks_running = False
-    _step_calls = 0
 
     def _inside_own_step(self) -> bool:
         """Whether the optimizer.step() call that opened the commit is still running."""
         return self._calls > 0 and self._calls == self._step_calls
 
     def _abort(self) -> None:
-        tx = self.tx
-        if tx is not None:
-            if tx.state == "committing":
-                tx.rollback()
-            else:
-                tx.discard()
-            if tx.seq is None:  # closed before its commit began (which counts it)
-                self._closed += 1
-        self._restore_grads()
-        self.tx = None
-        self._in_step = False
+        c, j = self.commit, self.journal
+        if c is not None:
+            c.abort()
+        elif j is not None:
+            j.discard()
+            self._closed += 1  # closed before its commit began (which counts it)
+        self.journal = None
+        self.commit = None
         self._nested = 0
 
-    # hooks ----------------------------------------------------------------
-    def _pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         if _run_by_explicit_commit(optimizer):
-            return
-        if self._in_step and not self._hooks_running and self._inside_own_step():
+            return None
+        if self.commit is not None and not self._hooks_running and self._inside_own_step():
             # A nested step: an optimizer subclass calling super().step(), whose
             # class is hooked too. Only the outermost call commits.
             self._nested += 1
-            return
+            return None
         self._recover()  # the previous optimizer.step() raised, called around the wrapper
-        if self.tx is None:
-            self.tx = self._new_tx(f"pu.attach({type(self.model).__name__})")
-        tx = self.tx
-        self._in_step = True
+        if self.journal is None:
+            self.journal = Journal(self.index, self.optimizer, f"pu.attach({type(self.model).__name__})")
+        c = self.commit = self._commit(self.journal, optimizer)
         self._step_calls = self._calls
         self._hooks_running = True
-        tx.seq = self._closed
-        self._closed += 1
         try:
-            if not tx.prepare():
-                self.skipped_steps += 1
-                self._plan = tx.schedule()
-                self._hide_grads()
-                return
-            self._plan = tx.schedule()
-            tx.save_rules()
-            tx.run_phase(BEFORE_GRAD)
-            closure = kwargs.get("closure") if kwargs else (args[0] if args else None)
-            tx.protect_optimizer(all_params=closure is not None)
-            tx.mark_optimizer_written()
-            tx.reinstall_overlay()  # reads in an LBFGS closure see the pending values (rule 1)
+            # args[0] is the optimizer itself (torch's hook wrapper passes the bound call's args)
+            closure = kwargs.get("closure") if kwargs and "closure" in kwargs else (args[1] if len(args) > 1 else None)
+            if closure is not None:
+                c.rollback.protect_optimizer(optimizer, all_params=True)
+                wrapped = c.wrap_closure(closure)
+                if kwargs and "closure" in kwargs:
+                    return args, {**kwargs, "closure": wrapped}
+                return (args[0], wrapped, *args[2:]), kwargs
+            if not c.begin():
+                c.hide_grads()  # skipped: the optimizer runs, but sees no gradients
+                return None
+            c.before_optimizer()
+            c.rollback.protect_optimizer(optimizer, all_params=False)
+            self.journal.show_pending()
         except BaseException:
             self._abort()
             raise
         finally:
             self._hooks_running = False
+        return None
 
     def _post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if _run_by_explicit_commit(optimizer):
@@ -514,61 +441,42 @@ class Attachment(_Owner):
         if self._nested:
             self._nested -= 1
             return
-        tx = self.tx
-        if tx is None:
+        c = self.commit
+        if c is None:
             return
         self._hooks_running = True
         try:
-            if tx.skipped:
-                self._restore_grads()
-                self._last = self._plan
+            if c.skipped:
+                c.restore_grads()
+            elif c.state == "new":
+                raise UpdateError(
+                    f"{c.label}: {type(optimizer).__name__}.step(closure) returned without calling the closure, "
+                    "so this step's updates and rules could not run after the gradients were computed. "
+                    "Call optimizer.step() without a closure, or use an optimizer that calls it."
+                )
             else:
-                tx.done_phases.add("grad")
-                tx.stage_done(True)  # the optimizer's step, a fallible stage, is behind us
-                tx.remove_overlay()
-                for phase in (AFTER_GRAD, AUXILIARY, AFTER_STEP):
-                    tx.run_phase(phase)
-                tx.finish()
-                self.steps += 1
-                tx.collect_rules()
-                self._last = tx.schedule()
+                c.optimizer_stepped()
+                c.finish()
         except BaseException:
             self._abort()
             raise
         finally:
             self._hooks_running = False
-        self.tx = None
-        self._in_step = False
-
-    def _hide_grads(self) -> None:
-        """Skipping under attach: the optimizer runs, but sees no gradients."""
-        saved = []
-        for g in self.optimizer.param_groups:  # type: ignore[union-attr]
-            for p in g["params"]:
-                saved.append((p, p.grad))
-                p.grad = None
-        self._skip_grads = saved
-
-    def _restore_grads(self) -> None:
-        if self._skip_grads is not None:
-            for p, grad in self._skip_grads:
-                p.grad = grad
-            self._skip_grads = None
+        self._committed(c)
+        self.journal = None
+        self.commit = None
 
     # user controls ----------------------------------------------------------
     def flush(self) -> None:
         """Commit the pending updates now, without a gradient update (all phases but ``grad``)."""
         self._recover()
-        tx = self.tx
-        if tx is None:
+        j = self.journal
+        if j is None:
             return
-        self.tx = None
-        saved_opt = tx.optimizer
-        tx.optimizer = None
-        try:
-            self._commit_all(tx)
-        finally:
-            tx.optimizer = saved_opt
+        self.journal = None
+        c = self._commit(j, None)
+        c.run()
+        self._committed(c)
 
     def discard(self) -> None:
         """Drop the pending updates (or roll back a commit whose optimizer step raised)."""
@@ -579,57 +487,77 @@ class Attachment(_Owner):
         self._abort()
         self._pre.remove()
         self._post.remove()
+        self._detached = True
         opt_dict = self.optimizer.__dict__  # type: ignore[union-attr]
         if opt_dict.get("step") is self._guard:
             if self._prev_step_attr is None:
                 del opt_dict["step"]
             else:
                 opt_dict["step"] = self._prev_step_attr
-        if self in _state.attachments:
-            _state.attachments.remove(self)
+        if self in context.attachments:
+            context.attachments.remove(self)
 
     def state_dict(self) -> dict[str, Any]:
         self._recover()
         return super().state_dict()
 
-    def _open_tx(self) -> Transaction | None:
-        return self.tx
+    def _open_journal(self) -> Journal | None:
+        return self.journal
+
+
+def hookable(optimizer: Any) -> torch.optim.Optimizer:
+    """The ``torch.optim.Optimizer`` whose step hooks an attachment registers on.
+
+    A wrapper that holds a torch optimizer as ``.optimizer`` without step hook registries of its
+    own is unwrapped: accelerate's ``AcceleratedOptimizer`` (never calls ``Optimizer.__init__``)
+    and Lightning's ``LightningOptimizer`` (shares the wrapped optimizer's registries). An
+    optimizer with registries of its own (a subclass, or one that steps an inner optimizer from
+    its own ``step``, like Lookahead) is kept: its own ``step`` is the update. Anything else, with
+    no step hooks to register (DeepSpeed's ZeRO optimizers), is refused with :class:`UpdateError`.
+    """
+    seen = optimizer
+    while True:
+        inner = getattr(seen, "optimizer", None)
+        own = vars(seen).get("_optimizer_step_pre_hooks") if hasattr(seen, "__dict__") else None
+        if (
+            isinstance(inner, torch.optim.Optimizer)
+            and inner is not seen
+            and (own is None or own is getattr(inner, "_optimizer_step_pre_hooks", None))
+        ):
+            seen = inner
+            continue
+        break
+    if not (
+        callable(getattr(seen, "register_step_pre_hook", None))
+        and isinstance(vars(seen).get("_optimizer_step_pre_hooks") if hasattr(seen, "__dict__") else None, dict)
+    ):
+        name = type(optimizer).__name__
+        raise UpdateError(
+            f"pu.attach: the optimizer {name} ({type(optimizer).__module__}) has no step hooks to commit in: it "
+            "is not a torch.optim.Optimizer, and holds none as .optimizer. (DeepSpeed's ZeRO optimizers are "
+            "of this kind.) Attach to the torch optimizer it steps, or commit explicitly around your own "
+            "step call: with pu.step(model, optimizer): ... (the commit calls optimizer.step())."
+        )
+    return seen
 
 
 def _run_by_explicit_commit(optimizer: Any) -> bool:
     """A ``pu.step`` / ``Stepper`` commit is running ``optimizer.step()``: that commit owns the step
     (its rules and updates), and an attachment on the optimizer stands aside; committing there too
     would apply the declared rules a second time."""
-    return any(tx.optimizer is optimizer for tx in _state.committing)
+    return any(c.optimizer is optimizer for c in context.committing)
 
 
-def attach(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    *,
-    on_nonfinite: str = "raise",
-    check_finite: bool = True,
-    atomic: bool = True,
-    process_group: Any = None,
-    sync_timeout: float | datetime.timedelta | None = None,
-) -> Attachment:
+def attach(model: nn.Module, optimizer: torch.optim.Optimizer, **options: Unpack[StepOptionsDict]) -> Attachment:
     """Commit ``model``'s updates inside ``optimizer.step()`` via its step pre/post hooks.
 
-    The commit order is the same as :func:`step` (rule 4): the pre-hook
+    The commit order is the same as :func:`step` (phase order, rule 4): the pre-hook
     applies ``before_grad``; the optimizer applies the gradients; the
     post-hook applies ``after_grad``, ``auxiliary`` and ``after_step``.
     Returns an :class:`Attachment` (``.schedule()``, ``.flush()``,
-    ``.discard()``, ``.state_dict()``, ``.detach()``). ``process_group`` and
-    ``sync_timeout``: see :class:`Stepper` (rule 9); under attach the commit's
-    all-reduce runs in the pre-hook of ``optimizer.step()`` (or in ``flush()``),
-    so every rank must call those together.
+    ``.discard()``, ``.state_dict()``, ``.detach()``). ``**options``: see
+    :class:`Stepper`; under attach the commit's all-reduce (``sync=``) runs in
+    the pre-hook of ``optimizer.step()`` (or in ``flush()``), so every rank
+    must call those together.
     """
-    return Attachment(
-        model,
-        optimizer,
-        on_nonfinite=on_nonfinite,
-        check_finite=check_finite,
-        atomic=atomic,
-        process_group=process_group,
-        sync_timeout=sync_timeout,
-    )
+    return Attachment(model, optimizer, **options)

@@ -13,24 +13,25 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn.utils.parametrize import ParametrizationList
 
-from .integrations.parametrize import track as track_parametrization
+from . import hooks, overlay
 
 
 @dataclass(eq=False)
 class TargetInfo:
-    """Where a target lives: ``owner.<attr>`` is the tensor, ``name`` its qualified name."""
+    """Where a target lives: ``owner.<attr>`` is the tensor, ``name`` its qualified name.
+
+    ``shows``/``slots``: how a read sees its pending value (``overlay.shows_through``) and, for a
+    buffer, the owning module's buffer dict, where the pending value is put.
+    """
 
     ref: weakref.ref
     name: str
     owner_ref: weakref.ref
     attr: str
     kind: str  # "parameter" or "buffer"
-
-    @property
-    def tensor(self) -> torch.Tensor | None:
-        return self.ref()
+    shows: str | None = None
+    slots: dict | None = None
 
     @property
     def owner(self) -> nn.Module | None:
@@ -55,15 +56,18 @@ class ModelIndex:
         model = self.model
         by_id: dict[int, TargetInfo] = {}
         if model is not None:
+            visitors = list(hooks.module_visitors.values())
             for mod_name, mod in model.named_modules(remove_duplicate=True):
-                if isinstance(mod, ParametrizationList):
-                    track_parametrization(mod, mod_name)  # rule 10: recognise its outputs
+                for visit in visitors:
+                    visit(mod, mod_name)  # e.g. transformed parameters (rule 10): recognise a parametrization's outputs
                 prefix = f"{mod_name}." if mod_name else ""
                 mref = weakref.ref(mod)
                 for kind, table in (("parameter", mod._parameters), ("buffer", mod._buffers)):
                     for attr, t in table.items():
                         if t is not None and id(t) not in by_id:
-                            by_id[id(t)] = TargetInfo(weakref.ref(t), prefix + attr, mref, attr, kind)
+                            shows = overlay.shows_through(t, kind)
+                            slots = mod._buffers if shows == overlay.BUFFER else None
+                            by_id[id(t)] = TargetInfo(weakref.ref(t), prefix + attr, mref, attr, kind, shows, slots)
         old = self.by_id
         if by_id.keys() != old.keys() or any(
             old[k].ref() is not v.ref() or old[k].name != v.name for k, v in by_id.items()
@@ -96,15 +100,6 @@ class ModelIndex:
     def name_of(self, t: torch.Tensor) -> str | None:
         info = self.lookup(t)
         return None if info is None else info.name
-
-    def tensors(self) -> list[torch.Tensor]:
-        """Every owned tensor, in module-tree order."""
-        out = []
-        for info in self.by_id.values():
-            t = info.ref()
-            if t is not None:
-                out.append(t)
-        return out
 
     def peek(self, t: torch.Tensor) -> TargetInfo | None:
         """The info of ``t`` from the index as last built (no rebuild on a miss)."""

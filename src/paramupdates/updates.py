@@ -2,20 +2,20 @@
 
 Inside a step (``pu.step``, ``pu.Stepper``, or a model under ``pu.attach``)
 an update is validated at its call site and recorded; reads issued after it
-see it (rule 1); nothing is written until commit (rule 2), which applies it
-in its phase (rule 4):
+see it (read-your-writes, rule 1 of ``docs/design.md``); nothing is written
+until commit (deferred commit, rule 2), which applies it in its phase (phase order, rule 4):
 
 * ``phase=None``: the ``auxiliary`` phase, after the gradient update. On a
   trainable target (one the optimizer also updates) that is ambiguous and
-  raises :class:`~paramupdates.AmbiguousOrderError` (rule 5);
+  raises :class:`~paramupdates.AmbiguousOrderError` (ambiguity is an error, rule 5);
 * ``phase="before_grad"`` / ``"after_grad"``: before / after ``optimizer.step()``;
 * ``phase="after_step"``: with EMA, after everything else.
 
 Outside a step an update applies at once, in place, under ``torch.no_grad()``
-(rule 8). Inside ``pu.when(False)`` nothing is recorded; inside
-``pu.when(tensor)`` the update becomes ``new = where(pred, new, old)``.
+(eager outside a step, rule 8). Inside ``pu.when(False)`` nothing is recorded; inside
+``pu.when(tensor)`` the update becomes ``new = where(pred, new, old)`` (conditions, rule 6).
 ``sync="mean"``/``"sum"`` all-reduces the pending value across the process
-group at commit (rule 9; outside a step, at once, over the default group).
+group at commit (distributed sync, rule 9; outside a step, at once, over the default group).
 All return ``None``: read the target to see the new value.
 """
 
@@ -25,47 +25,60 @@ from typing import Any
 
 import torch
 
-from . import _state, conditions
-from ._ops import apply_inplace, check_operand
-from ._origin import call_site
+from . import context, hooks, overlay
 from .errors import UpdateError
-from .integrations.checkpoint import adopt_torch_segment
-from .integrations.parametrize import inverse
-from .integrations.parametrize import source as parametrized_source
+from .journal import Entry, Journal
+from .ops import apply_inplace, check_operand
+from .origin import Origin, capture
+from .replay import live_journals
 from .targets import describe, owner_anywhere
-from .transaction import _plain, pending_value, route
 
 
-def _issue(
-    op: str, target: torch.Tensor, operand: Any, key: Any, phase: str | None, sync: str | None, fresh: bool = False
+def issue(
+    op: str,
+    target: torch.Tensor,
+    operand: Any,
+    key: Any,
+    phase: str | None,
+    sync: str | None,
+    fresh: bool = False,
+    depth: int = 3,
 ) -> None:
-    cond = conditions.current()
+    """Issue one update (what every public update function calls).
+
+    ``fresh``: ``operand`` was made for this update and nobody else holds it (``pu.nn``'s
+    statistics): it becomes the pending value without a defensive copy. ``depth``: frames
+    between the user's call and this function.
+    """
+    cond = context.conditions[-1]
     if cond is False:
         return
-    pred = cond if isinstance(cond, torch.Tensor) else None  # None: unconditional
-    origin = call_site(3)
+    compiling = torch.compiler.is_compiling()
+    origin = capture(depth, compiling)
     if not isinstance(target, torch.Tensor):
         raise UpdateError(
             f"pu.{op} at {origin}: the target is a {type(target).__name__}, not a tensor. "
             "Pass a pu.Parameter or a parameter or buffer of your model."
         )
-    src = parametrized_source(target)
-    if src is not None:
-        # rule 10: an update of a parametrized tensor goes through right_inverse
-        plist, name = src
-        for original, value in inverse(plist, name, op, target, operand, key, origin):
-            _issue("assign", original, value, None, phase, sync)
+    if hooks.target_resolvers:
+        for resolve in hooks.target_resolvers.values():
+            stored = resolve(target, op, operand, key, origin)
+            if stored is not None:
+                # transformed parameters (rule 10): an update of a computed tensor becomes updates of what it is computed from
+                for original, value in stored:
+                    issue("assign", original, value, None, phase, sync, depth=depth + 1)
+                return
+    j, e = route(target, origin, op, compiling)
+    if j is not None and e is not None:
+        j.record(e, op, operand, key, phase, sync, origin, fresh, compiling)
         return
-    tx, entry = route(target, origin, op)
-    if tx is not None and entry is not None:
-        tx.record(entry, op, operand, key, phase, sync, origin, fresh)
-        return
-    if _state.replay is not None:
-        # Re-issued by a pu.checkpoint recomputation: the forward already applied it (rule 3);
+    pred = cond if isinstance(cond, torch.Tensor) else None  # None: unconditional
+    if context.replay is not None:
+        # Issued again by a checkpoint recomputation: the forward already applied it (replay, rule 3);
         # only the recomputation's own view moves.
-        _state.replay.eager_write(op, target, operand, key, pred)
+        context.replay.eager_write(op, target, operand, key, pred)
         return
-    # Outside a step: eager, in place, under no_grad (rule 8).
+    # Outside a step: eager, in place, under no_grad (eager outside a step, rule 8).
     try:
         check_operand(op, target, operand, key, describe(target), origin)
     except UpdateError:
@@ -76,45 +89,117 @@ def _issue(
             raise
         check_operand(op, target, operand, key, owner[0], origin)
         raise
-    log = _state.eager_log if _state.eager_log is not None else adopt_torch_segment()
+    log = (
+        context.eager_log
+        if context.eager_log is not None
+        else (hooks.adopt_segment() if hooks.segment_probes else None)
+    )
     if log is not None:
-        log.note(target)  # inside a checkpointed segment: keep the value at segment entry (rule 3)
-    if sync is not None:  # reduced across ranks before the write (rule 9)
-        from .integrations.distributed import apply_eager
-
+        log.note(target)  # inside a checkpointed segment: keep the value at segment entry (replay, rule 3)
+    if sync is not None:  # reduced across ranks before the write (distributed sync, rule 9)
         owner = owner_anywhere(target)
         name = owner[0] if owner is not None else describe(target)
-        apply_eager(op, target, operand, key, pred, sync, name, origin)
+        hooks.sync_backend(f"pu.{op} on {name!r} at {origin}").apply_eager(
+            op, target, operand, key, pred, sync, name, str(origin)
+        )
         return
     apply_inplace(op, target, operand, key, pred)
 
 
+def issue_computed(
+    updates: list[tuple[torch.Tensor, str, Any, torch.Tensor]], sync: str | None = None, depth: int = 3
+) -> None:
+    """Issue auxiliary updates whose new values the caller computed (``pu.nn``'s statistics).
+
+    ``updates``: ``(target, op, operand, new value)``, the new value computed from the value the
+    caller read (the pending one, read-your-writes); ``op`` and ``operand`` are what the schedule
+    shows and what the commit folds if the target has other updates in the step. The call site,
+    the condition and the journal are looked up once for all of them. The values are trusted:
+    made by the caller for these updates alone, of the targets' shape, dtype and device.
+    """
+    if context.conditions[-1] is False or not updates:
+        return
+    compiling = torch.compiler.is_compiling()
+    origin = capture(depth, compiling)
+    j, e = route(updates[0][0], origin, updates[0][1], compiling)
+    if j is None or e is None:  # outside a step: the eager path, with its checks
+        for target, _op, _operand, new in updates:
+            issue("assign", target, new, None, None, sync, True, depth + 1)
+        return
+    items = [(e, updates[0][1], updates[0][2], updates[0][3])]
+    for target, op, operand, new in updates[1:]:
+        other = j.find(target, True, compiling)  # the same module's: the same journal
+        if other is None:
+            issue("assign", target, new, None, None, sync, True, depth + 1)
+        else:
+            items.append((other, op, operand, new))
+    j.record_computed(items, sync, origin, compiling)
+
+
+def route(
+    t: torch.Tensor, origin: Origin | str, op: str, compiling: bool = False
+) -> tuple[Journal | None, Entry | None]:
+    """The journal that records updates of target ``t``; ``(None, None)``: apply eagerly."""
+    for j in reversed(context.explicit):
+        e = j.find(t, True, compiling)
+        if e is not None:
+            return j, e
+    for att in list(context.attachments):
+        j, e = att.route(t, compiling)
+        if e is not None:
+            return j, e
+    if context.explicit:
+        j = context.explicit[-1]
+        mine = type(j.index.model).__name__
+        other = owner_anywhere(t)
+        if other is not None:
+            name, model = other
+            raise UpdateError(
+                f"pu.{op} on {name!r} of {model} at {origin}: the target belongs to a {model}, but the "
+                f"step in progress is for a {mine}, so this update would have no commit. Open the step "
+                f"on a module that contains both (e.g. nn.ModuleDict({{'a': a, 'b': b}})), or issue the "
+                "update outside the step."
+            )
+        computed = (
+            " It is a computed tensor (it has a grad_fn), e.g. the output of a parametrization "
+            "(torch.nn.utils.parametrize) or of an op: update the stored tensor it is computed from."
+            if t.grad_fn is not None
+            else ""
+        )
+        raise UpdateError(
+            f"pu.{op} on {describe(t)} at {origin}: the target is not a parameter or buffer of the model "
+            f"of the step in progress ({mine}). Register it on that model "
+            f"(as a pu.Parameter, an nn.Parameter or a buffer), or issue the update outside the step.{computed}"
+        )
+    return None, None
+
+
 def assign(target: torch.Tensor, value: Any, *, phase: str | None = None, sync: str | None = None) -> None:
-    """``target <- value`` (rule 4 phase ``phase``; see the module docstring)."""
-    _issue("assign", target, value, None, phase, sync)
+    """``target <- value``, in phase ``phase`` (phase order, rule 4; see the module docstring)."""
+    issue("assign", target, value, None, phase, sync)
 
 
 def assign_fresh(target: torch.Tensor, value: torch.Tensor, *, sync: str | None = None) -> None:
     """``assign`` of a tensor the caller made for this update and never touches again (``pu.nn``'s
-    statistics): inside a step it becomes the pending value without a defensive copy. Internal."""
-    _issue("assign", target, value, None, None, sync, True)
+    statistics): inside a step it becomes the pending value without a defensive copy."""
+    issue("assign", target, value, None, None, sync, True)
 
 
 def assign_add(target: torch.Tensor, delta: Any, *, phase: str | None = None, sync: str | None = None) -> None:
     """``target <- target + delta``; several in one phase compose in issue order."""
-    _issue("assign_add", target, delta, None, phase, sync)
+    issue("assign_add", target, delta, None, phase, sync)
 
 
 def assign_sub(target: torch.Tensor, delta: Any, *, phase: str | None = None, sync: str | None = None) -> None:
     """``target <- target - delta``; several in one phase compose in issue order."""
-    _issue("assign_sub", target, delta, None, phase, sync)
+    issue("assign_sub", target, delta, None, phase, sync)
 
 
 def assign_key(
     target: torch.Tensor, key: Any, value: Any, *, phase: str | None = None, sync: str | None = None
 ) -> None:
     """``target[key] <- value`` (out of place until commit: ``new = old.clone(); new[key] = value``)."""
-    _issue("assign_key", target, value, key, phase, sync)
+    issue("assign_key", target, value, key, phase, sync)
 
 
 def read(target: torch.Tensor) -> torch.Tensor:
@@ -126,5 +211,9 @@ def read(target: torch.Tensor) -> torch.Tensor:
     ``pu.Parameter`` reads its pending value by itself, a buffer through its
     module attribute.
     """
-    v = pending_value(target)
-    return target if v is None else _plain(v)
+    for j in live_journals():
+        e = j.find(target, create=False)
+        if e is not None:
+            v = j.current_of(e)
+            return target if v is e.target else overlay.plain(v)
+    return target

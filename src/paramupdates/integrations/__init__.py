@@ -1,1 +1,13 @@
-"""Integrations with PyTorch subsystems (distributed, checkpointing, compile)."""
+"""Integrations with PyTorch subsystems; each registers into the core (``paramupdates.hooks``) on import.
+
+* ``checkpoint``: ``pu.checkpoint`` and update-safe ``torch.utils.checkpoint`` (a segment probe);
+* ``compile``: ``torch.compile`` (tracing support);
+* ``distributed``: ``sync="mean"`` / ``"sum"`` over ``torch.distributed`` (the sync backend);
+* ``parametrize``: updates of ``torch.nn.utils.parametrize`` outputs (a module visitor, a target resolver).
+
+The core never imports this package; ``paramupdates/__init__.py`` does.
+"""
+
+from . import checkpoint, compile, distributed, parametrize
+
+__all__ = ["checkpoint", "compile", "distributed", "parametrize"]

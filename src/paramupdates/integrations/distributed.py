@@ -1,4 +1,4 @@
-"""``sync="mean"`` / ``sync="sum"``: every rank commits the same value (rule 9).
+"""``sync="mean"`` / ``sync="sum"``: every rank commits the same value (distributed sync, rule 9).
 
 The rule
     A target is *synced* in a step when one of its updates in that step asks
@@ -52,7 +52,10 @@ Group and timeout
     the timeout, with nothing written; the process group is then unusable
     (a collective is left half done): destroy it and restart.
 
-Outside a step (rule 8) a synced update is reduced at once: one blocking
+Registered into the core as its sync backend (``hooks.register_sync_backend``):
+:class:`DistributedSync`.
+
+Outside a step (eager outside a step, rule 8) a synced update is reduced at once: one blocking
 ``all_reduce`` over the default group per update, then the in-place write;
 every rank must issue it. Without an initialised process group (one
 process), or in a group of one, sync is the identity and costs nothing.
@@ -70,10 +73,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from .. import hooks
 from ..errors import UpdateError
+from ..ops import apply_inplace, apply_op
 
 if TYPE_CHECKING:
-    from ..transaction import Entry, Transaction
+    from ..commit import Commit
+    from ..journal import Entry, Journal
 
 SYNC_KINDS = ("mean", "sum")
 _CHUNKS = 3  # the layout fingerprint travels as 3 small integers x_i and their squares
@@ -109,14 +115,14 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.int64
 
 
-def _ddp_broadcasting(tx: Transaction) -> Any:
+def _ddp_broadcasting(journal: Journal) -> Any:
     """The DistributedDataParallel that broadcasts this model's buffers in forward, if any.
 
     The model given to the stepper may be the DDP wrapper itself, or its
     ``.module``; in the second case the wrapper is the one whose forward is
     running (DDP sets ``_active_ddp_module`` around its module's forward).
     """
-    for m in (getattr(DDP, "_active_ddp_module", None), tx.index.model):
+    for m in (getattr(DDP, "_active_ddp_module", None), journal.index.model):
         if isinstance(m, DDP):
             will = getattr(m, "will_sync_module_buffers", None)
             if will() if will is not None else bool(getattr(m, "broadcast_buffers", False)):
@@ -134,7 +140,7 @@ def _check_kind(where_: str, sync: str, dtype: torch.dtype) -> None:
         )
 
 
-def check_sync(tx: Transaction, e: Entry, sync: str | None, phase: str, fn: str, origin: str) -> None:
+def check_sync(journal: Journal, e: Entry, sync: str | None, phase: str, fn: str, origin: str) -> None:
     """Validate an update of a target that is (or becomes) synced; called at the call site."""
     where_ = f"{fn} on {e.name!r} at {origin}"
     if sync is not None:
@@ -151,7 +157,7 @@ def check_sync(tx: Transaction, e: Entry, sync: str | None, phase: str, fn: str,
                 f"asked for sync={e.sync!r}. A target is reduced once per step: use one reduction."
             )
         if e.info is not None and e.info.kind == "buffer":
-            ddp = _ddp_broadcasting(tx)
+            ddp = _ddp_broadcasting(journal)
             if ddp is not None:
                 raise UpdateError(
                     f"{where_} asks for sync={sync!r}, but the DistributedDataParallel around this model "
@@ -172,15 +178,15 @@ def check_sync(tx: Transaction, e: Entry, sync: str | None, phase: str, fn: str,
         )
 
 
-def check_rules(tx: Transaction, synced: Sequence[Entry]) -> None:
+def check_rules(commit: Commit, synced: Sequence[Entry]) -> None:
     """A declared rule may not write a synced target (its value is the reduced one)."""
     ids = {id(e.target): e for e in synced}
-    for rule in tx.rules:
+    for rule in commit.rules:
         for t in rule.tensors():
             e = ids.get(id(t))
             if e is not None:
                 raise UpdateError(
-                    f"{tx.label}: {e.name!r} is synced in this step (update at {e.records[-1].origin}) and "
+                    f"{commit.label}: {e.name!r} is synced in this step (update at {e.records[-1].origin}) and "
                     f"also written by the {rule.kind} rule declared at {rule.origin}. A synced target commits "
                     "its reduced value: exclude it from the rule, or drop sync."
                 )
@@ -189,7 +195,7 @@ def check_rules(tx: Transaction, synced: Sequence[Entry]) -> None:
 _LAYOUT_CRC: dict[tuple, int] = {}  # layout -> CRC32 of its text (layouts repeat step after step)
 
 
-def _fingerprint(plan: Sequence[tuple[Any, Sequence[Entry]]], seq: int | None, world: int) -> list[int]:
+def layout_fingerprint(plan: Sequence[tuple[Any, Sequence[Entry]]], seq: int | None, world: int) -> list[int]:
     """``_CHUNKS`` integers in ``[0, 2**b)`` from a CRC of the layout and the step number.
 
     ``b`` is chosen so that ``world * sum(x**2)`` is exact in float32 (24-bit
@@ -197,7 +203,9 @@ def _fingerprint(plan: Sequence[tuple[Any, Sequence[Entry]]], seq: int | None, w
     bits in all, the whole CRC) for 2 ranks, 5 bits for 4096 ranks. The
     device enters by type only: under NCCL rank r's tensors live on cuda:r.
     """
-    key = tuple((e.name, e.sync, e.value.dtype, e.value.device.type, tuple(e.value.shape)) for _k, es in plan for e in es)
+    key = tuple(
+        (e.name, e.sync, e.value.dtype, e.value.device.type, tuple(e.value.shape)) for _k, es in plan for e in es
+    )
     crc = _LAYOUT_CRC.get(key)
     if crc is None:
         crc = zlib.crc32(";".join(f"{n}:{shape}:{dt}:{dev}:{how}" for n, how, dt, dev, shape in key).encode())
@@ -236,16 +244,15 @@ def _divide(flat: torch.Tensor, world: int) -> torch.Tensor:
     return flat.copy_(torch.div(flat, world, rounding_mode="floor"))
 
 
-def apply_eager(op: str, target: torch.Tensor, operand: Any, key: Any, cond: torch.Tensor | None,
-                sync: str, name: str, origin: str) -> None:
-    """A synced update outside a step (rule 8 with rule 9): reduce the new value now, then write it.
+def apply_eager(
+    op: str, target: torch.Tensor, operand: Any, key: Any, cond: torch.Tensor | None, sync: str, name: str, origin: str
+) -> None:
+    """A synced update outside a step (eager outside a step, rule 8 with distributed sync (rule 9)): reduce the new value now, then write it.
 
     One blocking ``all_reduce`` over the default group per update (the
     group's timeout applies): every rank must issue it, as any collective.
     Without a process group it is the plain eager update.
     """
-    from .._ops import apply_inplace, apply_op
-
     _check_kind(f"pu.{op} on {name!r} at {origin}", sync, target.dtype)
     if not is_distributed():
         apply_inplace(op, target, operand, key, cond)
@@ -265,21 +272,22 @@ def apply_eager(op: str, target: torch.Tensor, operand: Any, key: Any, cond: tor
         raw.copy_(flat.view(raw.shape))
 
 
-def _fail(tx: Transaction, entries: Sequence[Entry], what: str, group: Any) -> UpdateError:
+def _fail(commit: Commit, entries: Sequence[Entry], what: str, group: Any) -> UpdateError:
     names = ", ".join(repr(e.name) for e in entries[:4]) + (", ..." if len(entries) > 4 else "")
     return UpdateError(
-        f"{tx.label}: sync of {len(entries)} target(s) ({names}; last update at {entries[-1].records[-1].origin}) "
+        f"{commit.label}: sync of {len(entries)} target(s) ({names}; last update at {entries[-1].records[-1].origin}) "
         f"over {dist.get_world_size(group)} ranks: {what} Nothing was written on this rank."
     )
 
 
-def sync_entries(tx: Transaction, entries: Sequence[Entry], local_nonfinite: bool = False) -> int:
+def sync_entries(commit: Commit, entries: Sequence[Entry], local_nonfinite: bool = False) -> int:
     """All-reduce the pending values of ``entries`` in place of the values (see the module docstring).
 
     ``local_nonfinite``: whether this rank's unsynced pending values are not
     all finite. Returns how many ranks reported such values.
     """
-    group = tx.process_group
+    group = commit.options.process_group
+    timeout = commit.options.sync_timeout
     if not is_distributed(group):
         return 0
     world = dist.get_world_size(group)
@@ -291,7 +299,7 @@ def sync_entries(tx: Transaction, entries: Sequence[Entry], local_nonfinite: boo
     # Deterministic on every rank: buckets by (device, dtype), means before sums.
     keys = sorted(groups, key=lambda k: (str(k[0]), str(k[1])))
     plan = [(k, sorted(groups[k], key=lambda e: e.sync != "mean")) for k in keys]
-    fp = _fingerprint(plan, tx.seq, world)
+    fp = layout_fingerprint(plan, commit.seq, world)
     flats: list[torch.Tensor] = []
     for i, (_k, ents) in enumerate(plan):
         v0 = ents[0].value
@@ -305,15 +313,15 @@ def sync_entries(tx: Transaction, entries: Sequence[Entry], local_nonfinite: boo
         flat = torch.cat(parts)
         flats.append(flat if flat.dtype == acc else flat.to(acc))
     try:
-        _all_reduce(flats, group, tx.sync_timeout)
+        _all_reduce(flats, group, timeout)
     except RuntimeError as err:
-        raise _fail(tx, entries, _incomplete(err, tx.sync_timeout, "this commit"), group) from err
+        raise _fail(commit, entries, _incomplete(err, timeout, "this commit"), group) from err
     head = [int(h.real) if isinstance(h, complex) else int(h) for h in flats[0][:_HEADER].tolist()]
     nbad, sx, sxx = head[0], head[1 : 1 + _CHUNKS], head[1 + _CHUNKS :]
     # every rank sent the same x_i exactly when R * sum(x_i**2) == sum(x_i)**2 (Cauchy-Schwarz)
     if any(world * q != s * s for s, q in zip(sx, sxx)):
         raise _fail(
-            tx,
+            commit,
             entries,
             "the ranks disagree: they are not committing the same synced targets (names, shapes, dtypes, "
             "reductions) or not the same step of their stepper. Every rank must issue its synced updates "
@@ -330,3 +338,30 @@ def sync_entries(tx: Transaction, entries: Sequence[Entry], local_nonfinite: boo
             v = part.view(e.value.shape)
             e.value = v if v.dtype == e.value.dtype else v.to(e.value.dtype)
     return nbad
+
+
+class DistributedSync:
+    """The core's sync backend: ``torch.distributed`` all-reduces (see the module docstring)."""
+
+    def check_options(self, process_group: Any, sync_timeout: Any) -> float | None:
+        return check_group(process_group, sync_timeout)
+
+    def active(self, process_group: Any = None) -> bool:
+        return is_distributed(process_group)
+
+    def check_update(self, journal: Journal, e: Entry, sync: str | None, phase: str, fn: str, origin: str) -> None:
+        check_sync(journal, e, sync, phase, fn, origin)
+
+    def check_rules(self, commit: Commit, synced: list[Entry]) -> None:
+        check_rules(commit, synced)
+
+    def reduce(self, commit: Commit, synced: list[Entry], local_nonfinite: bool) -> int:
+        return sync_entries(commit, synced, local_nonfinite)
+
+    def apply_eager(
+        self, op: str, target: torch.Tensor, operand: Any, key: Any, cond: Any, sync: str, name: str, origin: str
+    ) -> None:
+        apply_eager(op, target, operand, key, cond, sync, name, origin)
+
+
+HANDLE = hooks.register_sync_backend(DistributedSync())

@@ -1,4 +1,4 @@
-"""Updates of tensors produced by ``torch.nn.utils.parametrize`` (rule 10).
+"""Updates of tensors produced by ``torch.nn.utils.parametrize`` (transformed parameters, rule 10).
 
 A parametrized ``module.weight`` is not stored: every read computes it from
 the originals (``module.parametrizations.weight.original``, or
@@ -13,7 +13,7 @@ of such a tensor therefore goes through the parametrizations'
     assign(original_i, originals[i], phase=phase, sync=sync)   for each i
 
 so the originals take the update in the phase given (they are usually
-trainable: ``phase="before_grad"`` or ``"after_grad"`` is required, rule 5),
+trainable: ``phase="before_grad"`` or ``"after_grad"`` is required, ambiguity is an error (rule 5)),
 and nothing is written before commit. A parametrization without
 ``right_inverse`` raises :class:`~paramupdates.UpdateError` naming the
 weight, the parametrization and the call site.
@@ -21,6 +21,11 @@ weight, the parametrization and the call site.
 A tensor is recognised as a parametrization's output by a forward hook on
 the ``ParametrizationList`` modules of every model paramupdates indexes (a
 ``pu.step``, ``pu.Stepper`` or ``pu.attach`` on the model does that).
+
+Registered into the core as a module visitor (which hooks each
+``ParametrizationList``) and a target resolver (which maps an update of its
+output to updates of the originals): ``hooks.register_module_visitor``,
+``hooks.register_target_resolver``.
 """
 
 from __future__ import annotations
@@ -32,8 +37,9 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from .._ops import apply_op
+from .. import hooks
 from ..errors import UpdateError
+from ..ops import apply_op
 
 # id(output tensor) -> (weakref to it, weakref to its ParametrizationList, display name)
 _OUTPUTS: dict[int, tuple[weakref.ref, weakref.ref, str]] = {}
@@ -41,7 +47,8 @@ _HOOKED_ATTR = "_pu_parametrize_hook"
 
 
 def track(module: nn.Module, qualified_name: str) -> None:
-    """Register (once) the forward hook that records the outputs of a ``ParametrizationList``."""
+    """Register (once) the forward hook that records the outputs of a ``ParametrizationList``
+    (a module visitor: called for every submodule of an indexed model)."""
     if not isinstance(module, parametrize.ParametrizationList) or getattr(module, _HOOKED_ATTR, None):
         return
     # "lin.parametrizations.weight" -> "lin.weight"
@@ -78,7 +85,12 @@ def originals(plist: parametrize.ParametrizationList) -> list[torch.Tensor]:
 
 
 def inverse(
-    plist: parametrize.ParametrizationList, name: str, op: str, current: torch.Tensor, operand: Any, key: Any,
+    plist: parametrize.ParametrizationList,
+    name: str,
+    op: str,
+    current: torch.Tensor,
+    operand: Any,
+    key: Any,
     origin: str,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``[(original_i, new value)]`` for the update ``op(current, operand)`` of the parametrized tensor."""
@@ -91,16 +103,16 @@ def inverse(
                 f"Give {type(p).__name__} a right_inverse(value) method, or update the original(s) directly."
             )
     with torch.no_grad():
-        value = apply_op(op, current.detach(), operand.detach() if isinstance(operand, torch.Tensor) else operand,
-                         key, None)
+        value = apply_op(
+            op, current.detach(), operand.detach() if isinstance(operand, torch.Tensor) else operand, key, None
+        )
         for p in reversed(plist):
             value = p.right_inverse(value)
     origs = originals(plist)
     values = [value] if plist.is_tensor else list(value)
     if len(values) != len(origs):
         raise UpdateError(
-            f"pu.{op} on {name!r} at {origin}: right_inverse returned {len(values)} tensors for "
-            f"{len(origs)} originals."
+            f"pu.{op} on {name!r} at {origin}: right_inverse returned {len(values)} tensors for {len(origs)} originals."
         )
     return list(zip(origs, values))
 
@@ -111,3 +123,17 @@ def _orig_names(plist: parametrize.ParametrizationList, name: str) -> str:
     if plist.is_tensor:
         return f"'{prefix}.original'"
     return ", ".join(f"'{prefix}.original{i}'" for i in range(plist.ntensors))
+
+
+def resolve(
+    target: torch.Tensor, op: str, operand: Any, key: Any, origin: str
+) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """The target resolver: ``[(original_i, new value)]`` when ``target`` is a parametrization's output."""
+    src = source(target)
+    if src is None:
+        return None
+    plist, name = src
+    return inverse(plist, name, op, target, operand, key, origin)
+
+
+HANDLES = (hooks.register_module_visitor(track), hooks.register_target_resolver(resolve))

@@ -4,7 +4,7 @@
 subclasses of their ``torch.nn`` counterparts: same constructor arguments,
 same parameters, buffers and ``state_dict`` keys, same outputs and gradients.
 Only the way the running statistics change differs. In train mode with
-``track_running_stats=True`` a forward issues, under ``pu.when(self.training)``:
+``track_running_stats=True`` a forward issues (in the ``pu.when`` conditions in force):
 
 * ``num_batches_tracked <- num_batches_tracked + 1``
 * ``running_mean <- (1 - a) * running_mean + a * mean_B(x)``
@@ -16,11 +16,11 @@ the increment: a cumulative average) when ``momentum=None``. ``mean_B`` and
 channel one, ``n`` the number of values per channel.
 
 The updates are auxiliary (phase ``auxiliary``: after the gradient update,
-rule 4). Inside a step they are recorded and nothing is written before
-commit (rule 2); later forwards in the same step (gradient accumulation, a
+phase order (rule 4) of ``docs/design.md``). Inside a step they are recorded and nothing is written before
+commit (deferred commit, rule 2); later forwards in the same step (gradient accumulation, a
 module called twice, a checkpoint recomputation under ``pu.checkpoint``)
-read the pending statistics (rule 1). Outside a step they apply at once, in
-place, exactly like ``torch.nn.BatchNorm*d`` (rule 8).
+read the pending statistics (read-your-writes, rule 1). Outside a step they apply at once, in
+place, exactly like ``torch.nn.BatchNorm*d`` (eager outside a step, rule 8).
 
 On CPU the statistics are computed by PyTorch's own kernel (``F.batch_norm``
 on copies of the running buffers), so outputs, gradients and running
@@ -30,7 +30,7 @@ computes the same formulas with ``torch.var_mean`` (equal to rounding).
 
 ``sync_stats=True`` issues the two statistics updates with ``sync="mean"``:
 at commit every rank's pending statistics are averaged across the default
-process group (rule 9), so all ranks commit the same running statistics
+process group (distributed sync, rule 9), so all ranks commit the same running statistics
 instead of DDP's ``broadcast_buffers`` keeping rank 0's. The normalization
 itself still uses the local batch (use ``pu.nn.SyncBatchNorm`` for global
 batch statistics).
@@ -44,11 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import _state, conditions
-from ..conditions import when
-from ..integrations.checkpoint import _torch_checkpoint_frame
-from ..integrations.distributed import is_distributed
-from ..updates import assign, assign_add, assign_fresh
+from .. import context, hooks
+from ..updates import assign, issue_computed
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "UpdateSafeBatchNorm"]
 
@@ -56,13 +53,13 @@ __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "Update
 def _nothing_records() -> bool:
     """True when an update issued now would simply apply in place: no step, attachment,
     condition, checkpoint segment, recomputation, transform or compilation is active."""
-    if _state.explicit or _state.attachments or _state.replay is not None or _state.eager_log is not None:
+    if context.explicit or context.attachments or context.replay is not None or context.eager_log is not None:
         return False
-    if conditions.current() is not None or torch.compiler.is_compiling():
+    if context.conditions[-1] is not None or torch.compiler.is_compiling():
         return False
     if torch._C._functorch.maybe_current_level() is not None:
         return False
-    return _torch_checkpoint_frame() is None
+    return not hooks.in_segment()
 
 
 def _under_functorch() -> bool:
@@ -109,34 +106,42 @@ class UpdateSafeBatchNorm:
             assign(self.num_batches_tracked, 0)
 
     # ------------------------------------------------------------------
-    def _factor(self) -> float:
-        """Issue the counter update; return the averaging factor ``a``."""
-        if self.num_batches_tracked is not None:
-            assign_add(self.num_batches_tracked, 1)
-            if self.momentum is None:
-                # the pending (incremented) count: read-your-writes through the buffer slot
-                return 1.0 / float(self.num_batches_tracked)
-        return 0.0 if self.momentum is None else float(self.momentum)
-
     def _sync(self) -> str | None:
         return "mean" if self.sync_stats else None
 
-    def _train_with_stats(self, input: Tensor, factor: float) -> Tensor:
-        """Normalize with the batch statistics and issue the running-statistics updates."""
-        rm, rv = self.running_mean, self.running_var
+    def _train_with_stats(self, input: Tensor) -> Tensor:
+        """Normalize with the batch statistics and issue the three running-statistics updates."""
+        rm, rv, nbt = self.running_mean, self.running_var, self.num_batches_tracked  # pending values (rule 1)
         assert rm is not None and rv is not None
+        factor = 0.0 if self.momentum is None else float(self.momentum)
+        counted: list[tuple[Tensor, str, Any, Tensor]] = []
+        if nbt is not None:
+            new_nbt = nbt + 1
+            counted.append((nbt, "assign_add", 1, new_nbt))
+            if self.momentum is None:
+                # the cumulative average uses the incremented count (as a pu.when condition leaves it)
+                cond = context.conditions[-1]
+                seen = torch.where(cond, new_nbt, nbt) if isinstance(cond, Tensor) else new_nbt
+                factor = 1.0 / float(seen)
         if _under_functorch():
             out, new_mean, new_var = self._functional_stats(input, rm, rv, factor)
         else:
-            # PyTorch's kernel updates copies of the running buffers in place;
-            # the copies become the pending values (bitwise torch's result).
-            new_mean = rm.clone()
-            new_var = rv.clone()
-            out = F.batch_norm(input, new_mean, new_var, self.weight, self.bias, True, factor, self.eps)
+            new_mean, new_var, out = self._batch_stats(input, rm, rv, factor)
         sync = self._sync()
-        assign_fresh(rm, new_mean, sync=sync)  # made above for this update alone: no defensive copy
-        assign_fresh(rv, new_var, sync=sync)
+        if sync is None:
+            issue_computed([*counted, (rm, "assign", new_mean, new_mean), (rv, "assign", new_var, new_var)])
+        else:  # the statistics are synced across ranks; the counter is not (every rank counts alike)
+            issue_computed(counted)
+            issue_computed([(rm, "assign", new_mean, new_mean), (rv, "assign", new_var, new_var)], sync)
         return out
+
+    def _batch_stats(self, input: Tensor, rm: Tensor, rv: Tensor, factor: float) -> tuple[Tensor, Tensor, Tensor]:
+        """PyTorch's kernel updates copies of the running buffers in place; the copies become the
+        pending values (bitwise torch's result)."""
+        new_mean = rm.clone()
+        new_var = rv.clone()
+        out = F.batch_norm(input, new_mean, new_var, self.weight, self.bias, True, factor, self.eps)
+        return new_mean, new_var, out
 
     def _functional_stats(self, input: Tensor, rm: Tensor, rv: Tensor, factor: float) -> tuple[Tensor, Tensor, Tensor]:
         """Out-of-place statistics for ``torch.func`` (vmap cannot write into unbatched copies)."""
@@ -151,7 +156,7 @@ class UpdateSafeBatchNorm:
         return out, new_mean, new_var
 
     def _eager_in_place(self, input: Tensor) -> Tensor:
-        """What eager ``assign`` would do (rule 8), without its per-call cost: PyTorch's own
+        """What eager ``assign`` would do (eager outside a step, rule 8), without its per-call cost: PyTorch's own
         in-place update of the buffers. Used only when nothing could record or replay it."""
         rm, rv, nbt = self.running_mean, self.running_var, self.num_batches_tracked
         factor = 0.0 if self.momentum is None else float(self.momentum)
@@ -166,11 +171,9 @@ class UpdateSafeBatchNorm:
         """As ``torch.nn.BatchNorm*d.forward``; running statistics change through assign."""
         self._check_input_dim(input)  # type: ignore[attr-defined]
         if self.training and self.track_running_stats:
-            if _nothing_records() and not (self.sync_stats and is_distributed()):
+            if _nothing_records() and not (self.sync_stats and hooks.sync_active()):
                 return self._eager_in_place(input)
-            with when(self.training):
-                factor = self._factor()
-                return self._train_with_stats(input, factor)
+            return self._train_with_stats(input)
         # train mode without tracking, or eval mode: nothing is updated
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
         use_buffers = not self.training
@@ -271,20 +274,22 @@ class SyncBatchNorm(UpdateSafeBatchNorm, nn.SyncBatchNorm):
         world = dist.get_world_size(group)
         return (group, world) if world > 1 else None
 
-    def _train_with_stats(self, input: Tensor, factor: float) -> Tensor:
+    def _batch_stats(self, input: Tensor, rm: Tensor, rv: Tensor, factor: float) -> tuple[Tensor, Tensor, Tensor]:
+        """With more than one rank: the batch statistics of every rank's batch, by PyTorch's own
+        ``SyncBatchNorm`` function on copies of the running buffers."""
         world = self._world()
         if world is None:
-            return super()._train_with_stats(input, factor)
+            return super()._batch_stats(input, rm, rv, factor)
         from torch.nn.modules._functions import SyncBatchNorm as _SyncFn
 
-        rm, rv = self.running_mean, self.running_var
-        assert rm is not None and rv is not None
         new_mean, new_var = rm.clone(), rv.clone()
         out = _SyncFn.apply(input, self.weight, self.bias, new_mean, new_var, self.eps, factor, world[0], world[1])
-        assign_fresh(rm, new_mean, sync=self._sync())
-        assign_fresh(rv, new_var, sync=self._sync())
-        return out
+        return new_mean, new_var, out
 
     def forward(self, input: Tensor) -> Tensor:  # noqa: D102 - see class docstring
         self._check_non_zero_input_channels(input)
         return super().forward(input)
+
+
+# a whole model saved with torch.save loads with torch.load(weights_only=True) (its other classes allowed)
+torch.serialization.add_safe_globals([BatchNorm1d, BatchNorm2d, BatchNorm3d, SyncBatchNorm])

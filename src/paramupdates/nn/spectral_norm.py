@@ -11,15 +11,15 @@ weight runs ``n_power_iterations`` steps of the power method
 
 *out of place* from the current ``(u, v)`` and issues ``assign(_u, u)``,
 ``assign(_v, v)`` under ``pu.when(self.training)`` (phase ``auxiliary``,
-rule 4). The weight is ``W / sigma`` with ``sigma = u^H W v``.
+phase order (rule 4)). The weight is ``W / sigma`` with ``sigma = u^H W v``.
 
-Inside a step nothing is written before commit (rule 2): the weight can be
+Inside a step nothing is written before commit (deferred commit, rule 2): the weight can be
 evaluated twice in one forward (each evaluation reads the vectors the
-previous one left pending, rule 1), and ``pu.checkpoint`` recomputes it with
-exactly the vectors the first evaluation saw (rule 3), so backward never
+previous one left pending, read-your-writes (rule 1)), and ``pu.checkpoint`` recomputes it with
+exactly the vectors the first evaluation saw (replay, rule 3), so backward never
 finds a saved ``u`` or ``v`` modified in place (pytorch/pytorch#66363) and
 checkpointing changes neither the gradients nor the vectors. Outside a step
-the vectors are written at once, as PyTorch does (rule 8). Values are
+the vectors are written at once, as PyTorch does (eager outside a step, rule 8). Values are
 bitwise those of PyTorch's parametrization for the same sequence of
 evaluations on CPU.
 """

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import _state
+from .. import context
 from ..errors import UpdateError
 from ..step import Stepper
 from .batchnorm import UpdateSafeBatchNorm
@@ -37,16 +37,19 @@ def recompute_batchnorm_stats(model: nn.Module, loader: Iterable[Any], device: A
     (convert them with ``pu.convert(model)``) and :class:`~paramupdates.UpdateError`
     when called inside a step.
     """
-    plain = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
-             and not isinstance(m, UpdateSafeBatchNorm)]
+    plain = [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, UpdateSafeBatchNorm)
+    ]
     if plain:
         raise TypeError(
             f"pu.recompute_batchnorm_stats: {plain[:3]} are torch.nn batch norms, which write their "
             "statistics in place. Call model = pu.convert(model) first (weights and statistics are kept)."
         )
-    if _state.explicit:
+    if context.explicit:
         raise UpdateError(
-            f"pu.recompute_batchnorm_stats: {_state.explicit[-1].label} is in progress. "
+            f"pu.recompute_batchnorm_stats: {context.explicit[-1].label} is in progress. "
             "Call it outside a step (it runs as a step of its own)."
         )
     bns = [m for m in model.modules() if isinstance(m, UpdateSafeBatchNorm) and m.track_running_stats]

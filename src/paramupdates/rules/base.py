@@ -1,10 +1,21 @@
 """Declared rules: updates that belong to parameters (or a model), not to a step.
 
-A rule is declared once (``pu.weight_decay``, ``pu.constrain``, ``pu.ema``)
-and registered here in declaration order. Every step whose model owns the
-rule's tensors applies it at commit, once per real optimizer update, in the
-rule's phase; inside a phase, rules run in declaration order, before the
-updates issued during the step.
+A rule is declared once (``pu.weight_decay``, ``pu.constrain``, ``pu.ema``, or
+a subclass of :class:`Rule` and :meth:`Rule.declare`) and kept in a registry in
+declaration order. Every step whose model owns the rule's tensors applies it
+at commit, once per real optimizer update, in the rule's phase; inside a
+phase, rules run in declaration order, before the updates issued during the
+step (phase order, rule 4 of ``docs/design.md``).
+
+Caching, one boundary each (the rows of ``benchmarks/rules.py`` they were kept for):
+
+* each rule caches its *plan* (grouping, factors, pairs) inside
+  :meth:`Rule.check`, rebuilt only when what it depends on changed;
+* :class:`RuleSet`, per model and optimizer, caches which rules apply to the
+  model and re-checks all their plans in one pass over the storage of
+  their tensors (:meth:`Rule.fingerprint` / :meth:`Rule.revalidate`) instead of one
+  full check per rule: ``benchmarks/rules.py``, part A "tiny", pu / foreach
+  (five to six passes over per-tensor metadata per commit otherwise).
 """
 
 from __future__ import annotations
@@ -15,25 +26,37 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..origin import call_site
 from ..schedule import ScheduleEntry
+from .common import has_subclass, storage_key
 
 if TYPE_CHECKING:
+    from ..commit import CommitContext
     from ..targets import ModelIndex
-    from ..transaction import CommitContext
 
 _SEQ = itertools.count()
 
 
 class Rule:
-    """Base class of declared rules.
+    """Base class of declared rules (public: ``pu.Rule``).
 
-    Subclasses set ``phase`` and ``kind`` and implement :meth:`tensors`
-    (what the rule writes: used for ownership and rollback) and
-    :meth:`apply` (the in-place math, under ``torch.no_grad()``).
+    A subclass sets :attr:`phase` (``"before_grad"``, ``"after_grad"`` or
+    ``"after_step"``) and :attr:`kind` (its name in ``schedule()``), and
+    implements :meth:`tensors` (what it writes: used for ownership and
+    rollback) and :meth:`apply` (the in-place math, run under
+    ``torch.no_grad()``). :meth:`declare` registers it::
+
+        class Renorm(pu.Rule):
+            phase, kind = "after_grad", "renorm"
+            def __init__(self, p): super().__init__(); self.p = p
+            def tensors(self): return [self.p]
+            def apply(self, ctx): self.p.div_(self.p.norm())
+
+        Renorm(model.lin.weight).declare()
 
     ``infallible``: a rule whose :meth:`apply` cannot raise once :meth:`check`
     has passed (inputs validated, foreach math on matching tensors) sets it to
-    ``True``; the commit then needs no snapshot for what it writes when no
+    ``True``; an atomic commit then needs no copy for what it writes when no
     fallible stage (the optimizer step, a rule that is not infallible) follows.
     Leave it ``False`` for anything that runs user code.
 
@@ -47,10 +70,11 @@ class Rule:
     infallible: bool = False
     per_optimizer_update: bool = False
 
-    def __init__(self, origin: str) -> None:
+    def __init__(self, origin: Any = None) -> None:
+        if origin is None:
+            origin = call_site(2)
         self.origin = origin
         self.seq = next(_SEQ)
-        self._owned: weakref.WeakKeyDictionary[ModelIndex, tuple[int, bool]] = weakref.WeakKeyDictionary()
 
     # --- ownership -------------------------------------------------------
     def tensors(self) -> list[torch.Tensor]:
@@ -61,20 +85,16 @@ class Rule:
         """Tensors whose owning model applies this rule (default: :meth:`tensors`)."""
         return self.tensors()
 
-    def applies_to(self, index: ModelIndex) -> bool:
-        """Whether ``index``'s model owns any of :meth:`owner_tensors` (cached per index build)."""
-        hit = self._owned.get(index)
-        if hit is not None and hit[0] == index.generation:
-            return hit[1]
-        owned = index.owns_any(self.owner_tensors())
-        self._owned[index] = (index.generation, owned)
-        return owned
+    def declare(self) -> Rule:
+        """Register this rule (declaration order is commit order within its phase); returns it."""
+        return register(self)
 
     def remove(self) -> None:
         """Undeclare this rule: no later step applies it."""
         unregister(self)
 
     def alive(self) -> bool:
+        """False once what the rule belongs to is gone (it is then dropped)."""
         return True
 
     # --- commit ----------------------------------------------------------
@@ -82,9 +102,10 @@ class Rule:
         """Validate before the commit writes anything (raise :class:`UpdateError` to refuse the step)."""
 
     def apply(self, ctx: CommitContext) -> None:
+        """Apply the rule in place (under ``torch.no_grad()``)."""
         raise NotImplementedError
 
-    # --- the one-pass re-check (rules/_fast.py) --------------------------
+    # --- the one-pass re-check (RuleSet) --------------------------------
     def fingerprint(self) -> list[torch.Tensor] | None:
         """After :meth:`check`: the tensors whose storage the rule's plan depends on (None: no fast path)."""
         return None
@@ -94,30 +115,16 @@ class Rule:
         re-check the rest cheaply and get ready to apply; False: run the full :meth:`check`."""
         return False
 
-    # A subclass that sets ``rows_tracked = True`` bumps ``_rows_version`` whenever what
-    # rows() shows changes (its tensors); its rows are then cached between commits.
-    rows_tracked = False
-    _rows_version = 0
-    _rows_cache: tuple[Any, int, int, list[ScheduleEntry]] | None = None
-
-    def cached_rows(self, index: ModelIndex) -> list[ScheduleEntry]:
-        """:meth:`rows`; for a ``rows_tracked`` rule recomputed only when ``index`` or its tensors changed."""
-        if not self.rows_tracked:
-            return self.rows(index)
-        c = self._rows_cache
-        if c is None or c[0]() is not index or c[1] != index.generation or c[2] != self._rows_version:
-            c = (weakref.ref(index), index.generation, self._rows_version, self.rows(index))
-            self._rows_cache = c
-        return c[3]
-
+    # --- the schedule ------------------------------------------------------
     def rows(self, index: ModelIndex) -> list[ScheduleEntry]:
+        """This rule's rows in ``schedule()`` (made when the schedule is shown)."""
         ts = self.tensors()
         names = [index.name_of(t) or "?" for t in ts[:3]]
         if len(ts) == 1:
             target = names[0]
         else:
             target = f"{len(ts)} tensors ({', '.join(names)}{', ...' if len(ts) > 3 else ''})"
-        return [ScheduleEntry(self.phase, target, self.kind, "-", self.origin)]
+        return [ScheduleEntry(self.phase, target, self.kind, "-", str(self.origin))]
 
     # --- state (save/resume, rollback) ---------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -127,44 +134,126 @@ class Rule:
         pass
 
     def save(self) -> Any:
-        """Python-level state to restore if the commit fails (tensors are snapshotted separately)."""
+        """Python-level state to restore if the commit fails (tensors are copied separately)."""
         return None
 
     def restore(self, saved: Any) -> None:
-        pass
+        """Restore what :meth:`save` returned (also called to release what a failed commit held)."""
 
 
+# --- the registry -----------------------------------------------------------
 _RULES: list[Rule] = []
+_version = 0  # bumped when a rule is declared or removed
+_APPLIES: weakref.WeakKeyDictionary[ModelIndex, tuple[int, int, list[Rule]]] = weakref.WeakKeyDictionary()
 
 
 def register(rule: Rule) -> Rule:
     """Add a rule to the registry (declaration order is commit order)."""
+    global _version
     _RULES.append(rule)
+    _version += 1
     return rule
 
 
 def unregister(rule: Rule) -> None:
+    """Remove a rule from the registry (no-op if it is not there)."""
+    global _version
     if rule in _RULES:
         _RULES.remove(rule)
+        _version += 1
+
+
+def clear() -> None:
+    """Undeclare every rule."""
+    global _version
+    _RULES.clear()
+    _APPLIES.clear()
+    _version += 1
+
+
+def declared() -> list[Rule]:
+    """Every declared rule, in declaration order."""
+    return list(_RULES)
 
 
 def rules_for(index: ModelIndex) -> list[Rule]:
-    """The live rules that apply to ``index``'s model, in declaration order."""
+    """The live rules that apply to ``index``'s model (it owns their tensors), in declaration order.
+
+    Cached per model until a rule is declared or removed or the model's tensors change.
+    """
     dead = [r for r in _RULES if not r.alive()]
     for r in dead:
-        _RULES.remove(r)
-    return [r for r in _RULES if r.applies_to(index)]
+        unregister(r)
+    hit = _APPLIES.get(index)
+    if hit is not None and hit[0] == _version and hit[1] == index.generation:
+        return hit[2]
+    out = [r for r in _RULES if index.owns_any(r.owner_tensors())]
+    _APPLIES[index] = (_version, index.generation, out)
+    return out
 
 
-class WeakTensors:
-    """A list of tensors held weakly, so a rule does not keep a model alive."""
+# --- one pass over the storage of every rule's tensors ------------------------
+class RuleSet:
+    """The rules of one model and optimizer, and what their last full check saw.
 
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
-        self._refs = [weakref.ref(t) for t in tensors]
+    :meth:`check` runs every rule's :meth:`Rule.check` the first time, and
+    afterwards, when the rules and the model's tensors are the same, checks
+    the storage of every tensor the rules' plans depend on in one pass
+    (``data_ptr``, mapped in C), and lets each rule re-check only what
+    storage does not cover (:meth:`Rule.revalidate`). Any difference, or a
+    rule without a fast path, runs the full checks again. The outcome is
+    the full checks' in every case; only the cost differs. Shared by every
+    ``pu.step``, ``Stepper`` and attachment on the same model and optimizer,
+    so a fresh ``pu.step(model, opt)`` per iteration uses it. The tensors are
+    held strongly while the model and optimizer live.
+    """
 
-    def get(self) -> list[torch.Tensor]:
-        out = [r() for r in self._refs]
-        return [t for t in out if t is not None]
+    def __init__(self) -> None:
+        self._sig: tuple[Any, ...] | None = None
+        self._rules: list[Rule] = []
+        self._held: list[list[torch.Tensor]] = []
+        self._union: list[torch.Tensor] = []
+        self._key: tuple[int, ...] | None = None
+        self._sub = False
 
-    def alive(self) -> bool:
-        return any(r() is not None for r in self._refs)
+    def check(self, rules: list[Rule], ctx: CommitContext) -> None:
+        """Check every rule of a commit before it writes (raises what a rule's check raises)."""
+        if not self._revalidate(rules, ctx):
+            for rule in rules:
+                rule.check(ctx)
+            self._record(rules, ctx)
+
+    def _signature(self, rules: list[Rule], ctx: CommitContext) -> tuple[Any, ...]:
+        return (len(rules), ctx.index.generation, id(ctx.optimizer))
+
+    def _revalidate(self, rules: list[Rule], ctx: CommitContext) -> bool:
+        if self._sig is None or self._sig != self._signature(rules, ctx):
+            return False
+        if any(a is not b for a, b in zip(rules, self._rules)):
+            return False
+        if storage_key(self._union, self._sub) != self._key:
+            return False
+        return all(rule.revalidate(ctx, held) for rule, held in zip(rules, self._held))
+
+    def _record(self, rules: list[Rule], ctx: CommitContext) -> None:
+        held = [rule.fingerprint() for rule in rules]
+        if any(h is None for h in held):
+            self.clear()
+            return
+        seen: set[int] = set()
+        union: list[torch.Tensor] = []
+        for ts in held:
+            for t in ts:  # type: ignore[union-attr]
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    union.append(t)
+        self._sub = has_subclass(union)
+        self._key = storage_key(union, self._sub)
+        self._union = union
+        self._held = held  # type: ignore[assignment]
+        self._rules = list(rules)
+        self._sig = self._signature(rules, ctx)
+
+    def clear(self) -> None:
+        """Forget the last full check: the next commit runs every rule's full check."""
+        self._sig, self._rules, self._held, self._union, self._key = None, [], [], [], None

@@ -50,14 +50,14 @@ import torch
 from torch import nn
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
-from .._origin import call_site
 from ..errors import UpdateError
-from ..schedule import AFTER_GRAD
-from ._common import WeakList, has_subclass, named_tensors, no_subclass, plain, refuse_inside_step, storage_key, where
+from ..origin import call_site
+from ..phases import AFTER_GRAD
 from .base import Rule, register
+from .common import WeakList, has_subclass, named_tensors, no_subclass, plain_if, refuse_inside_step, storage_key, where
 
 if TYPE_CHECKING:
-    from ..transaction import CommitContext
+    from ..commit import CommitContext
 
 EPSILON = 1e-7  # keras.backend.epsilon()
 
@@ -79,7 +79,14 @@ class Constraint:
         (a rule must not keep them alive); rebuilt when any tensor's storage changes."""
         keep = [i for i, t in enumerate(ts) if t.numel()]
         sub = [ts[i] for i in keep]
-        return [[keep[j] for j in idx] for _k, (_, idx) in _group_tensors_by_device_and_dtype([sub], with_indices=True).items()] if sub else []
+        return (
+            [
+                [keep[j] for j in idx]
+                for _k, (_, idx) in _group_tensors_by_device_and_dtype([sub], with_indices=True).items()
+            ]
+            if sub
+            else []
+        )
 
     def apply_(self, ts: list[torch.Tensor], plan: Any) -> None:
         """Apply in place to ``ts`` (the tensors :meth:`plan` saw)."""
@@ -106,7 +113,9 @@ class _Norm(Constraint):
         if t.is_complex():
             raise ValueError(f"pu.{self.name} at {origin}: {name!r} is complex; not supported")
         if self.dim is not None and t.ndim > 0 and not -t.ndim <= self.dim < t.ndim:
-            raise ValueError(f"pu.{self.name} at {origin}: dim={self.dim} is out of range for {name!r} of shape {tuple(t.shape)}")
+            raise ValueError(
+                f"pu.{self.name} at {origin}: dim={self.dim} is out of range for {name!r} of shape {tuple(t.shape)}"
+            )
 
     def _dims(self, t: torch.Tensor) -> tuple[int, ...] | None:
         if self.dim is None or t.ndim == 0:
@@ -157,7 +166,10 @@ class _Norm(Constraint):
         wholes = []
         if whole:
             sub = [ts[i] for i in whole]
-            wholes = [[whole[j] for j in idx] for _k, (_, idx) in _group_tensors_by_device_and_dtype([sub], with_indices=True).items()]
+            wholes = [
+                [whole[j] for j in idx]
+                for _k, (_, idx) in _group_tensors_by_device_and_dtype([sub], with_indices=True).items()
+            ]
         return wholes, rows
 
     def apply_(self, ts: list[torch.Tensor], plan: Any) -> None:
@@ -183,7 +195,7 @@ class _Norm(Constraint):
                 parts: list[torch.Tensor] = []
                 at = 0
                 for cat, k in lengths:
-                    batch = vs[at:at + k]
+                    batch = vs[at : at + k]
                     at += k
                     if cat:
                         parts.append(torch.linalg.vector_norm(torch.cat(batch) if k > 1 else batch[0], dim=dims))
@@ -353,11 +365,14 @@ class Constrain(Rule):
 
     phase = AFTER_GRAD
     per_optimizer_update = True
-    rows_tracked = True  # _rows_version bumped when its plan is rebuilt
 
-    def __init__(self, named: list[tuple[str, torch.Tensor]], constraint: Constraint, origin: str) -> None:
+    def __init__(
+        self, named: list[tuple[str, torch.Tensor]], constraint: Constraint, origin: str, foreach: bool = True
+    ) -> None:
         super().__init__(origin)
         self.constraint = constraint
+        # a user callable has only the reference path: c(w) tensor by tensor
+        self.foreach = foreach and not isinstance(constraint, CallableConstraint)
         self.kind = f"constrain:{constraint.name}"
         self.infallible = constraint.infallible
         self.names = [n for n, _ in named]
@@ -384,9 +399,8 @@ class Constrain(Rule):
             with no_subclass():
                 for t, name in zip(ts, self.names):
                     self.constraint.validate(ctx.index.name_of(t) or name, t, self.origin)
-                self._plan = None if isinstance(self.constraint, CallableConstraint) else self.constraint.plan(ts)
+                self._plan = self.constraint.plan(ts) if self.foreach else None
             self._key = key
-            self._rows_version += 1
         self._live = ts  # held for this commit only
 
     def restore(self, saved: Any) -> None:
@@ -402,15 +416,16 @@ class Constrain(Rule):
         return True
 
     def apply(self, ctx: CommitContext) -> None:
-        if isinstance(self.constraint, CallableConstraint):
-            self._apply_callable(ctx)
+        if not self.foreach:
+            self._apply_reference(ctx)
             return
         ts, self._live = self._live, []
-        with plain(self._sub):
+        with plain_if(self._sub):
             self.constraint.apply_(ts, self._plan)
 
-    def _apply_callable(self, ctx: CommitContext) -> None:
-        # Compute and validate every new value first, then write: a failure writes nothing.
+    def _apply_reference(self, ctx: CommitContext) -> None:
+        """``t <- c(t)`` tensor by tensor (the Keras formula, out of place; a user callable's only path).
+        Every new value is computed and validated first, then written: a failure writes nothing."""
         ts, self._live = self._live, []
         news = []
         with no_subclass():
@@ -423,8 +438,11 @@ class Constrain(Rule):
                         f"constraint {self.constraint.name!r} (declared at {self.origin}) raised on {name!r}: "
                         f"{type(exc).__name__}: {exc}. Nothing of this step was written."
                     ) from exc
-                if not isinstance(new, torch.Tensor) or new.shape != t.shape or new.device != t.device or (
-                    new.is_floating_point() and not t.is_floating_point()
+                if (
+                    not isinstance(new, torch.Tensor)
+                    or new.shape != t.shape
+                    or new.device != t.device
+                    or (new.is_floating_point() and not t.is_floating_point())
                 ):
                     got = where(new) if isinstance(new, torch.Tensor) else type(new).__name__
                     raise UpdateError(
@@ -438,7 +456,12 @@ class Constrain(Rule):
                     t.copy_(new)
 
 
-def constrain(params: torch.Tensor | nn.Module | Any, constraint: Constraint | Callable[[torch.Tensor], torch.Tensor]) -> Constrain:
+def constrain(
+    params: torch.Tensor | nn.Module | Any,
+    constraint: Constraint | Callable[[torch.Tensor], torch.Tensor],
+    *,
+    foreach: bool | None = None,
+) -> Constrain:
     """Declare ``constraint`` on ``params``; phase ``after_grad``.
 
     After each ``optimizer.step()`` (once per optimizer update), every tensor
@@ -448,21 +471,24 @@ def constrain(params: torch.Tensor | nn.Module | Any, constraint: Constraint | C
     ``pu.non_neg``, ``pu.min_max_norm``, ``pu.clamp`` (foreach, Keras
     semantics; see the module docstring for the math and the ``dim``
     convention) or any callable ``tensor -> tensor`` (same shape and device).
-    Several constraints on one tensor apply in declaration order. Returns the
-    rule (``.remove()`` undeclares it).
+    Several constraints on one tensor apply in declaration order. ``foreach=False``
+    runs the reference path (``t <- c(t)`` tensor by tensor; equal to the foreach path
+    up to the rounding of the norms). Returns the rule (``.remove()`` undeclares it).
     """
     origin = call_site(2)
     refuse_inside_step("pu.constrain", origin)
     if not isinstance(constraint, Constraint):
         if not callable(constraint):
-            raise TypeError(f"pu.constrain at {origin}: constraint must be a pu constraint or a callable, "
-                            f"not {type(constraint).__name__}")
+            raise TypeError(
+                f"pu.constrain at {origin}: constraint must be a pu constraint or a callable, "
+                f"not {type(constraint).__name__}"
+            )
         constraint = CallableConstraint(constraint)
     named = named_tensors(params, "pu.constrain")
     if not named:
         raise ValueError(f"pu.constrain at {origin}: no tensors given")
     for name, t in named:
         constraint.validate(name, t, origin)
-    rule = Constrain(named, constraint, origin)
+    rule = Constrain(named, constraint, origin, foreach is not False)
     register(rule)
     return rule

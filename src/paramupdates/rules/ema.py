@@ -5,24 +5,54 @@ averaged copy and its source ``p`` in the model (parameters, and buffers when
 ``include_buffers``)::
 
     a <- a + (1 - d_t) * (p - a)          # torch._foreach_lerp_(a, p, 1 - d_t)
-    d_t = decay                                        warmup=None
-    d_t = min(decay, (1 + t) / (warmup + t))           warmup=W (a number; True means 10,
-                                                       TensorFlow's num_updates formula)
-    d_t = warmup(t)                                    warmup a callable
-    t   = the number of EMA updates before this one (0, 1, 2, ...)
+    t  = the number of EMA updates before this one (0, 1, 2, ...)
+
+    warmup=None                d_t = decay
+    warmup=W (a number;        d_t = min(decay, (1 + t) / (W + t))
+      True means 10)                 (TensorFlow's ExponentialMovingAverage num_updates)
+    warmup="timm" or           d_0 = 0 (a copy), then
+      TimmWarmup(gamma,        d_t = max(m, min(decay, 1 - (1 + t / gamma) ** -power))
+      power, min_decay=m)            (timm's ModelEmaV3(use_warmup=True); defaults
+                                      gamma=1, power=2/3, m=0)
+    warmup=f (a callable)      d_t = f(t)
+
+The two warmups: TensorFlow's ``(1 + t) / (W + t)`` reaches 0.9 after ``9W - 10``
+updates whatever ``decay`` is; timm's ``1 - (1 + t/gamma)^(-power)`` starts with a
+copy (``d_0 = 0``) and grows as a power law: with ``power=2/3`` it reaches 0.999 at
+about 31.6K updates, with ``power=3/4`` at 10K. timm's ``get_decay(step)`` is
+called with the number of updates *including* this one, so ``t = step - 1``; the
+Python float expression is timm's, so an EMA with ``warmup="timm"`` equals
+``timm.utils.ModelEmaV3(model, decay, use_warmup=True)`` updated with
+``step = t + 1``, bitwise (tested where timm imports).
 
 Non-floating buffers (``num_batches_tracked``) are copied, not averaged; with
 ``include_buffers=False`` every buffer is copied, so the copy evaluates with the
 model's current statistics.
+
+``dtype=`` / ``device=`` keep the copy's floating tensors in another dtype (a
+float32 average of a bfloat16 model) or on another device (a CPU average of a
+GPU model). Then ``a <- a * d_t + p * (1 - d_t)`` (``_foreach_mul_`` then
+``_foreach_add_``, promoting ``p`` inside the kernel, as timm does) where the
+dtypes differ, and ``p`` is first copied to ``a``'s device where the devices
+differ (one temporary per tensor, freed after the commit).
 
 It runs in phase ``after_step``, after every other phase of the commit, so it
 averages the values just committed: the new weights and the running statistics
 of this step. Under gradient accumulation it runs once per optimizer update.
 
 The copy starts as ``copy.deepcopy(model)`` at declaration (``requires_grad``
-off, ``eval()`` mode); its tensors belong to no step's model. Its state (the
-copy's ``state_dict`` and ``t``) is in the ``state_dict()`` of every Stepper or
-attachment whose model owns the averaged tensors.
+off, ``eval()`` mode); its tensors belong to no step's model. ``t`` is a buffer
+of the copy, ``pu_ema_updates`` (a 0-dim int64 on the copy's device), so
+whatever saves the copy (a Lightning checkpoint of a module that holds it,
+timm's ``CheckpointSaver``, ``torch.save(copy.state_dict())``) saves its
+warmup state, and loading the copy's ``state_dict`` restores it. The rule
+keeps a host mirror of ``t`` (no device sync per commit) and re-reads the
+buffer only after something else wrote it (its version counter moved, or
+``copy.to(...)`` replaced it). Its state (the copy's ``state_dict`` and
+``t``) is also in the ``state_dict()`` of every Stepper or attachment whose
+model owns the averaged tensors. To load the averaged weights into the model,
+``model.load_state_dict(pu.rules.ema.weights(copy))`` (the copy's
+``state_dict`` without ``pu_ema_updates``).
 
 ``torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay),
 use_buffers=True)`` computes the same floating-point average bitwise, except:
@@ -37,23 +67,54 @@ import copy
 import math
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
-from .._origin import call_site
 from ..errors import UpdateError
-from ..schedule import AFTER_STEP
-from ._common import has_subclass, no_subclass, plain, refuse_inside_step, storage_key, where
+from ..origin import call_site
+from ..phases import AFTER_STEP
+from ..schedule import ScheduleEntry
 from .base import Rule, register
+from .common import has_subclass, no_subclass, plain_if, refuse_inside_step, storage_key, where
 
 if TYPE_CHECKING:
+    from ..commit import CommitContext
     from ..targets import ModelIndex
-    from ..transaction import CommitContext
 
-Warmup = bool | float | int | Callable[[int], float] | None
+COUNTER = "pu_ema_updates"
+"""The name of the averaged copy's buffer that holds ``t`` (the number of EMA updates so far)."""
+
+
+@dataclass(frozen=True)
+class TimmWarmup:
+    """timm's EMA warmup (``timm.utils.ModelEmaV3(use_warmup=True)``) as a ``warmup=`` preset.
+
+    ``d_0 = 0`` (the first update copies), then
+    ``d_t = max(min_decay, min(decay, 1 - (1 + t / gamma) ** -power))``,
+    ``t`` the number of updates before this one. ``warmup="timm"`` is
+    ``TimmWarmup()``: ``gamma=1``, ``power=2/3`` (0.999 at about 31.6K updates;
+    ``power=3/4``: at 10K).
+    """
+
+    gamma: float = 1.0
+    power: float = 2 / 3
+    min_decay: float = 0.0
+
+    def decay_at(self, t: int, decay: float) -> float:
+        """``d_t`` for the ``t``-th update (0-based) of an EMA declared with ``decay``."""
+        if t <= 0:
+            return 0.0
+        # timm's expression, term for term (bitwise the same float)
+        d = 1 - (1 + t / self.gamma) ** -self.power
+        return max(min(d, decay), self.min_decay)
+
+
+Warmup = bool | float | int | str | TimmWarmup | Callable[[int], float] | None
+
+_PRESETS: dict[str, Any] = {"timm": TimmWarmup()}
 
 _BY_COPY: weakref.WeakKeyDictionary[nn.Module, weakref.ref[EMA]] = weakref.WeakKeyDictionary()
 
@@ -65,18 +126,25 @@ class EMA(Rule):
     kind = "ema"
     infallible = True  # foreach lerp/copy on pairs validated in check()
     per_optimizer_update = True
-    rows_tracked = True  # fixed rows (rows() reads only what __init__ set)
+    foreach = True  # False: the per-tensor reference path (bitwise the same result)
 
     def __init__(
-        self, model: nn.Module, module: nn.Module, decay: float, warmup: Warmup, include_buffers: bool, origin: str
+        self,
+        model: nn.Module,
+        module: nn.Module,
+        decay: float,
+        warmup: Warmup,
+        include_buffers: bool,
+        origin: str,
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
     ) -> None:
         super().__init__(origin)
         self._model = weakref.ref(model)
         self.module = module
         self.decay = decay
-        self.warmup = warmup
+        self.warmup = _PRESETS[warmup] if isinstance(warmup, str) else warmup
         self.include_buffers = include_buffers
-        self.updates = 0
         names: list[str] = []
         src: list[torch.Tensor] = []
         dst: list[torch.Tensor] = []
@@ -88,16 +156,56 @@ class EMA(Rule):
                 names.append(name)
                 src.append(t)
                 dst.append(b[name])
-                avg.append((t.is_floating_point() or t.is_complex()) and (kind == "parameters" or include_buffers))
+                floating = t.is_floating_point() or t.is_complex()
+                avg.append(floating and (kind == "parameters" or include_buffers))
         self.names = names
         self._src = src  # strong: the rule ends with the model (alive()), not with its tensors
         self._dst = dst
         self._avg = avg
+        # declared with dtype=/device=: the copy's floats stay in that dtype, the copy on that device
+        # (normalized: "cuda" -> "cuda:0"); otherwise the copy must be as the model is at each commit
+        self._dtype = dtype
+        self._device = next(iter(dst)).device if device is not None and dst else device
         self._sub = has_subclass(src) or has_subclass(dst)
         self._pairs = src + dst  # what check() keys on
         self._key: tuple | None = None
         self._lerp: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+        self._mixed: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []  # dtypes differ: mul + add
         self._copy: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+        self._moved: list[tuple[list[torch.Tensor], list[torch.Tensor], str]] = []  # devices differ
+        # t: a buffer of the copy (saved with it), mirrored on the host
+        counter_device = next(iter(dst), torch.empty(0, device=device)).device
+        module.register_buffer(COUNTER, torch.zeros((), dtype=torch.int64, device=counter_device))
+        self._t = 0
+        self._seen: tuple[torch.Tensor, int] = (module._buffers[COUNTER], module._buffers[COUNTER]._version)
+
+    # --- the step counter t ------------------------------------------------
+    def _counter(self) -> torch.Tensor:
+        buf = self.module._buffers.get(COUNTER)
+        if buf is None:
+            raise UpdateError(
+                f"pu.ema (declared at {self.origin}): the averaged copy has no '{COUNTER}' buffer any more "
+                "(it holds the number of EMA updates). Do not delete it; declare pu.ema again."
+            )
+        return buf
+
+    @property
+    def updates(self) -> int:
+        """``t``: the number of EMA updates so far (the copy's ``pu_ema_updates`` buffer)."""
+        buf = self._counter()
+        seen, version = self._seen
+        if buf is not seen or buf._version != version:  # loaded, moved or written by someone else
+            self._t = int(buf)
+            self._seen = (buf, buf._version)
+        return self._t
+
+    @updates.setter
+    def updates(self, value: int) -> None:
+        buf = self._counter()
+        with torch.no_grad():
+            buf.fill_(int(value))
+        self._t = int(value)
+        self._seen = (buf, buf._version)
 
     # --- ownership -------------------------------------------------------
     def alive(self) -> bool:
@@ -109,12 +217,10 @@ class EMA(Rule):
     def tensors(self) -> list[torch.Tensor]:
         return self._dst
 
-    def rows(self, index: ModelIndex) -> list[Any]:
-        from ..schedule import ScheduleEntry
-
+    def rows(self, index: ModelIndex) -> list[ScheduleEntry]:
         n = sum(self._avg)
         what = f"ema of {n} tensors" + (f" (+{len(self._avg) - n} copied)" if n < len(self._avg) else "")
-        return [ScheduleEntry(self.phase, what, f"ema(decay={self.decay})", "-", self.origin)]
+        return [ScheduleEntry(self.phase, what, f"ema(decay={self.decay})", "-", str(self.origin))]
 
     # --- math --------------------------------------------------------------
     def decay_at(self, t: int) -> float:
@@ -122,6 +228,8 @@ class EMA(Rule):
         w = self.warmup
         if w is None or w is False:
             return self.decay
+        if isinstance(w, TimmWarmup):
+            return w.decay_at(t, self.decay)
         if callable(w):
             d = float(w(t))
             if not 0.0 <= d <= 1.0:
@@ -150,39 +258,77 @@ class EMA(Rule):
     def _build(self) -> None:
         with no_subclass():
             for name, s, d in zip(self.names, self._src, self._dst):
-                if s.shape != d.shape or s.dtype != d.dtype or s.device != d.device:
+                dtype = self._dtype if self._dtype is not None and s.is_floating_point() else s.dtype
+                device = self._device if self._device is not None else s.device
+                if s.shape != d.shape or d.dtype != dtype or d.device != device:
+                    expect = (
+                        where(s)
+                        if (dtype, device) == (s.dtype, s.device)
+                        else (f"{device}/{str(dtype).removeprefix('torch.')}/{tuple(s.shape)} (as declared)")
+                    )
                     raise UpdateError(
                         f"pu.ema (declared at {self.origin}): {name!r} is {where(s)} in the model but {where(d)} in "
-                        "the averaged copy. Move or cast the copy the same way as the model (ema_model.to(...)), "
-                        "or declare pu.ema again. Nothing of this step was written."
+                        f"the averaged copy, which should be {expect}. Move or cast the copy the same way as the "
+                        "model (ema_model.to(...)), or declare pu.ema again (dtype=/device= keep the copy in "
+                        "another dtype or on another device). Nothing of this step was written."
                     )
-            pairs = {True: ([], []), False: ([], [])}
+            groups: dict[tuple[Any, ...], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
             for s, d, a in zip(self._src, self._dst, self._avg):
-                pairs[a][0].append(d)
-                pairs[a][1].append(s)
-            self._lerp, self._copy = [], []
-            for flag, out in ((True, self._lerp), (False, self._copy)):
-                dsts, srcs = pairs[flag]
-                if dsts:
-                    for _k, ([gd, gs], _) in _group_tensors_by_device_and_dtype([dsts, srcs]).items():
-                        out.append((list(gd), list(gs)))
+                key = (a, d.device, d.dtype, s.device, s.dtype)
+                groups.setdefault(key, ([], []))
+                groups[key][0].append(d)
+                groups[key][1].append(s)
+            self._lerp, self._mixed, self._copy, self._moved = [], [], [], []
+            for (a, dd, dt, sd, st), (dsts, srcs) in groups.items():
+                if sd != dd:
+                    self._moved.append((dsts, srcs, "lerp" if a and dt == st else "mixed" if a else "copy"))
+                elif not a:
+                    self._copy.append((dsts, srcs))
+                elif dt == st:
+                    self._lerp.append((dsts, srcs))
+                else:
+                    self._mixed.append((dsts, srcs))
 
     def apply(self, ctx: CommitContext) -> None:
         w = self._weight
-        with plain(self._sub):
+        with plain_if(self._sub):
+            if not self.foreach:  # the reference path: one pair at a time
+                for s, d, a in zip(self._src, self._dst, self._avg):
+                    if d.device != s.device:
+                        s = s.to(device=d.device)
+                    if not a:
+                        d.copy_(s)
+                    elif d.dtype == s.dtype:
+                        d.lerp_(s, w)
+                    else:
+                        d.mul_(1.0 - w).add_(s, alpha=w)
+                self.updates = self._t + 1
+                return
             for d, s in self._lerp:
                 torch._foreach_lerp_(d, s, w)
+            for d, s in self._mixed:
+                _mixed_lerp_(d, s, w)
             for d, s in self._copy:
                 torch._foreach_copy_(d, s)
-        self.updates += 1
+            for d, s, how in self._moved:
+                here = [t.to(device=d[0].device) for t in s]
+                if how == "lerp":
+                    torch._foreach_lerp_(d, here, w)
+                elif how == "mixed":
+                    _mixed_lerp_(d, here, w)
+                else:
+                    torch._foreach_copy_(d, here)
+        self.updates = self._t + 1
 
     # --- state -------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """``{"module": the copy's state_dict, "updates": t, "decay": decay}`` (tensors by reference, as torch does)."""
+        """``{"module": the copy's state_dict (with t), "updates": t, "decay": decay}`` (tensors by reference)."""
         return {"module": self.module.state_dict(), "updates": self.updates, "decay": self.decay}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.module.load_state_dict(state["module"])
+        module_state = dict(state["module"])
+        module_state.setdefault(COUNTER, torch.tensor(int(state["updates"])))  # saved before t was a buffer
+        self.module.load_state_dict(module_state)
         self.updates = int(state["updates"])
 
     def save(self) -> Any:
@@ -192,12 +338,33 @@ class EMA(Rule):
         self.updates = saved
 
 
+def _mixed_lerp_(d: list[torch.Tensor], s: list[torch.Tensor], w: float) -> None:
+    """``d <- d * (1 - w) + s * w`` for ``s`` of another dtype (promoted inside the kernel, as timm does)."""
+    torch._foreach_mul_(d, 1.0 - w)
+    torch._foreach_add_(d, s, alpha=w)
+
+
+def weights(averaged: nn.Module) -> dict[str, torch.Tensor]:
+    """The copy's ``state_dict`` without its ``pu_ema_updates`` counter: loads into the model.
+
+    ``model.load_state_dict(pu.rules.ema.weights(averaged))`` puts the averaged
+    weights into the model (strict loading; a copy kept in another dtype is cast
+    by ``load_state_dict``).
+    """
+    state = averaged.state_dict()
+    state.pop(COUNTER, None)
+    return state
+
+
 def ema(
     model: nn.Module,
     decay: float,
     *,
     warmup: Warmup = None,
     include_buffers: bool = True,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    foreach: bool | None = None,
 ) -> nn.Module:
     """Declare an exponential moving average of ``model``; phase ``after_step``. Returns the averaged copy.
 
@@ -205,14 +372,24 @@ def ema(
     tensors, ``a <- lerp(a, p, 1 - d_t)`` for every floating parameter (and
     floating buffer if ``include_buffers``) ``p`` and its average ``a``; other
     buffers are copied. ``d_t``: ``decay``; with ``warmup=W`` (a number, or
-    ``True`` for 10) ``min(decay, (1 + t) / (W + t))``; with a callable,
-    ``warmup(t)``; ``t`` counts the EMA's updates from 0.
+    ``True`` for 10) ``min(decay, (1 + t) / (W + t))``; with ``warmup="timm"``
+    (or a :class:`TimmWarmup`) timm's ``max(min_decay, min(decay,
+    1 - (1 + t / gamma) ** -power))`` after a first copy; with a callable,
+    ``warmup(t)``; ``t`` counts the EMA's updates from 0 and is the copy's
+    buffer ``pu_ema_updates``.
+
+    ``dtype``: keep the copy's floating tensors in this dtype (a float32
+    average of a bfloat16 model); ``device``: keep the copy there (a CPU
+    average of a GPU model). Both cost a little per commit (see the module
+    docstring).
 
     The returned module is a deep copy of ``model`` (in ``eval()`` mode, no
     ``requires_grad``) to evaluate with. Tensors are bound at declaration:
     replacing a parameter or buffer object of ``model`` later (rather than
     writing it in place) is not followed. ``pu.rules.ema.rule_of(copy)`` is
-    the rule (``.updates``, ``.remove()``).
+    the rule (``.updates``, ``.remove()``); ``pu.rules.ema.weights(copy)`` the
+    copy's weights without the counter, to load into ``model``. ``foreach=False`` runs the
+    per-tensor reference path (``a.lerp_(p, 1 - d_t)`` pair by pair; bitwise the same result).
     """
     origin = call_site(2)
     refuse_inside_step("pu.ema", origin)
@@ -221,13 +398,30 @@ def ema(
     decay = float(decay)
     if not 0.0 <= decay <= 1.0 or math.isnan(decay):
         raise ValueError(f"pu.ema at {origin}: decay must be in [0, 1], got {decay}")
-    if warmup is not None and not isinstance(warmup, bool) and not callable(warmup):
+    if isinstance(warmup, str):
+        if warmup not in _PRESETS:
+            raise ValueError(
+                f"pu.ema at {origin}: warmup={warmup!r} is not a preset; use one of {sorted(_PRESETS)}, "
+                "True, a positive number, a TimmWarmup or a callable"
+            )
+    elif warmup is not None and not isinstance(warmup, bool | TimmWarmup) and not callable(warmup):
         if not float(warmup) > 0:
             raise ValueError(f"pu.ema at {origin}: warmup must be None, True, a positive number or a callable")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"pu.ema at {origin}: dtype must be a floating torch.dtype (the copy's floats), got {dtype}")
+    if COUNTER in dict(model.named_buffers(recurse=False)):
+        raise ValueError(
+            f"pu.ema at {origin}: the model already has a '{COUNTER}' buffer (it is an averaged copy); "
+            "declare the EMA on the trained model"
+        )
+    dev = torch.device(device) if device is not None else None
     module = copy.deepcopy(model)
     module.requires_grad_(False)
     module.eval()
-    rule = EMA(model, module, decay, warmup, bool(include_buffers), origin)
+    if dev is not None or dtype is not None:
+        module.to(device=dev, dtype=dtype)
+    rule = EMA(model, module, decay, warmup, bool(include_buffers), origin, dtype=dtype, device=dev)
+    rule.foreach = foreach is not False
     register(rule)
     _BY_COPY[module] = weakref.ref(rule)
     return module

@@ -17,7 +17,9 @@ skips them.
 One ``torch._foreach_mul_`` (with a list of per-tensor factors) per device and
 dtype; the grouping and the factors are cached and rebuilt only when the
 learning rates, the param groups, the set of parameters with gradients, or the
-tensors' storage (``model.to()``, ``.data =``) change.
+tensors' storage (``model.to()``, ``.data =``) change. ``foreach=False`` runs the
+readable reference path instead, ``p.mul_(1 - lr_g * rate_p)`` tensor by tensor
+(bitwise the same result: ``tests/test_weight_decay.py``).
 """
 
 from __future__ import annotations
@@ -33,14 +35,14 @@ import torch
 from torch import nn
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
-from .._origin import call_site
+from ..origin import call_site
 from ..parameter import Parameter
-from ..schedule import BEFORE_GRAD
-from ._common import WeakList, has_subclass, named_tensors, plain, refuse_inside_step, storage_key
+from ..phases import BEFORE_GRAD
 from .base import Rule, register
+from .common import WeakList, has_subclass, named_tensors, plain_if, refuse_inside_step, storage_key
 
 if TYPE_CHECKING:
-    from ..transaction import CommitContext
+    from ..commit import CommitContext
 
 Exclude = Callable[[str, torch.Tensor], bool]
 _grad_of = torch._C.TensorBase.grad.__get__  # the C getter, mapped without a Python-level loop
@@ -63,10 +65,12 @@ class WeightDecay(Rule):
     kind = "weight_decay"
     infallible = True  # foreach mul by Python floats on floating tensors: validated at declaration
     per_optimizer_update = True
-    rows_tracked = True  # _rows_version bumped when its plan is rebuilt
 
-    def __init__(self, named: list[tuple[str, torch.Tensor, float]], scale_by_lr: bool, origin: str) -> None:
+    def __init__(
+        self, named: list[tuple[str, torch.Tensor, float]], scale_by_lr: bool, origin: str, foreach: bool = True
+    ) -> None:
         super().__init__(origin)
+        self.foreach = foreach
         self.names = [n for n, _, _ in named]
         self.rates = [r for _, _, r in named]
         self._tensors = WeakList([t for _, t, _ in named])
@@ -75,6 +79,7 @@ class WeightDecay(Rule):
         # indices into the declared tensors, never the tensors (a rule must not keep them alive)
         self._groups: list[tuple[list[int], list[Any]]] = []
         self._written: list[int] = []
+        self._factors: list[float] = []  # per written tensor: the reference path's Python factors
         self._all = False
         self._direct = False  # _all, in one group in declaration order: apply to the live list as is
         self._live: list[Any] = []
@@ -114,13 +119,21 @@ class WeightDecay(Rule):
 
     def _opt_key(self, opt: torch.optim.Optimizer, live: list[Any]) -> tuple:
         """What the plan depends on besides storage: the param groups, their lrs, which tensors have a gradient."""
-        with plain(self._sub):
-            grads = list(map(_grad_of, live)) if not _any_none(live) else [None if t is None else _grad_of(t) for t in live]
+        with plain_if(self._sub):
+            grads = (
+                list(map(_grad_of, live)) if not _any_none(live) else [None if t is None else _grad_of(t) for t in live]
+            )
         # the common case (every tensor alive with a gradient) without a per-tensor Python test
         has_grad: tuple[bool, ...] | bool = True if not _any_none(grads) else tuple(g is not None for g in grads)
         groups = opt.param_groups
         lrs = tuple([float(g["lr"]) for g in groups]) if self.scale_by_lr else ()
-        return (id(opt), tuple([id(g["params"]) for g in groups]), tuple([len(g["params"]) for g in groups]), lrs, has_grad)
+        return (
+            id(opt),
+            tuple([id(g["params"]) for g in groups]),
+            tuple([len(g["params"]) for g in groups]),
+            lrs,
+            has_grad,
+        )
 
     def _hold(self, live: list[Any]) -> None:
         self._live = live  # held for this commit only
@@ -168,8 +181,8 @@ class WeightDecay(Rule):
                 stacklevel=2,
             )
         self._written = written
+        self._factors = factors
         self._all = written == list(range(len(live)))  # every covered tensor is decayed (the common case)
-        self._rows_version += 1
         self._groups = []
         if ts:
             grouped = _group_tensors_by_device_and_dtype([ts], with_indices=True)
@@ -191,8 +204,11 @@ class WeightDecay(Rule):
     # --- commit ------------------------------------------------------------------
     def apply(self, ctx: CommitContext) -> None:
         live = self._live
-        with plain(self._sub):
-            if self._direct:
+        with plain_if(self._sub):
+            if not self.foreach:  # the reference path: one tensor at a time
+                for i, f in zip(self._written, self._factors):
+                    live[i].mul_(f)
+            elif self._direct:
                 torch._foreach_mul_(live, self._groups[0][1])  # every covered tensor, one device and dtype, in order
             else:
                 for idx, factors in self._groups:
@@ -207,6 +223,7 @@ def weight_decay(
     *,
     exclude: Exclude | None = skip_1d,
     scale_by_lr: bool = True,
+    foreach: bool | None = None,
 ) -> WeightDecay:
     """Declare decoupled weight decay on ``params``; phase ``before_grad``.
 
@@ -224,6 +241,8 @@ def weight_decay(
             ``None`` excludes nothing.
         scale_by_lr: multiply the rate by the learning rate (decoupled decay as
             in AdamW); ``False`` decays by ``rate`` alone.
+        foreach: ``None``/``True``: one ``torch._foreach_mul_`` per device and dtype;
+            ``False``: the per-tensor reference path (same result, bitwise).
 
     A ``pu.Parameter(weight_decay=r)`` uses ``r`` instead of ``rate``, and its
     explicit rate also overrides ``exclude`` (``weight_decay=0.0`` exempts it).
@@ -232,7 +251,7 @@ def weight_decay(
     """
     origin = call_site(2)
     refuse_inside_step("pu.weight_decay", origin)
-    if exclude is ...:  # DESIGN.md writes the default as "..."
+    if exclude is ...:  # the contract writes the default as "..."
         exclude = skip_1d
     rate = float(rate)
     if not rate >= 0.0:
@@ -252,6 +271,6 @@ def weight_decay(
                 raise ValueError(f"pu.weight_decay at {origin}: {name!r} is {t.dtype}, not floating point")
             continue
         chosen.append((name, t, r))
-    rule = WeightDecay(chosen, bool(scale_by_lr), origin)
+    rule = WeightDecay(chosen, bool(scale_by_lr), origin, foreach is not False)
     register(rule)
     return rule

@@ -1,7 +1,7 @@
 """The update operations as pure functions, and operand validation.
 
 Each op maps ``(old, operand) -> new`` out of place, so a recorded update
-never writes storage (rule 2) and the same function serves the overlay
+never writes storage (deferred commit, rule 2) and the same function serves the overlay
 (read-your-writes), the commit fold and eager application:
 
 * ``assign``:      ``new = operand`` (cast to the target's dtype, broadcast from 0-dim)
@@ -32,27 +32,35 @@ def apply_op(
     writes it (``pu.nn``'s statistics): it becomes the pending value as is, without the
     defensive copy that protects a user's tensor from the user's later in-place writes.
     """
-    with torch._C.DisableTorchFunctionSubclass():
-        if op == "assign":
-            if isinstance(operand, torch.Tensor):
-                new = operand.to(dtype=old.dtype, copy=not fresh)
-                if new.shape != old.shape:
-                    new = new.expand(old.shape).clone()
-            else:
-                new = torch.full_like(old, operand)
-        elif op == "assign_add":
-            new = old + operand
-        elif op == "assign_sub":
-            new = old - operand
-        elif op == "assign_key":
-            new = old.clone()
-            new[key] = operand
-        else:  # pragma: no cover - guarded by the public functions
-            raise ValueError(op)
-        if new.dtype != old.dtype:
-            new = new.to(old.dtype)
-        if cond is not None:
-            new = torch.where(cond, new, old)
+    if type(old) is not torch.Tensor or (cond is not None and type(cond) is not torch.Tensor):
+        with torch._C.DisableTorchFunctionSubclass():
+            return _apply_op(op, old, operand, key, cond, fresh)
+    return _apply_op(op, old, operand, key, cond, fresh)
+
+
+def _apply_op(
+    op: str, old: torch.Tensor, operand: Any, key: Any, cond: torch.Tensor | None, fresh: bool
+) -> torch.Tensor:
+    if op == "assign":
+        if isinstance(operand, torch.Tensor):
+            new = operand.to(dtype=old.dtype, copy=not fresh)
+            if new.shape != old.shape:
+                new = new.expand(old.shape).clone()
+        else:
+            new = torch.full_like(old, operand)
+    elif op == "assign_add":
+        new = old + operand
+    elif op == "assign_sub":
+        new = old - operand
+    elif op == "assign_key":
+        new = old.clone()
+        new[key] = operand
+    else:  # pragma: no cover - guarded by the public functions
+        raise ValueError(op)
+    if new.dtype != old.dtype:
+        new = new.to(old.dtype)
+    if cond is not None:
+        new = torch.where(cond, new, old)
     return new
 
 
@@ -128,6 +136,4 @@ def check_operand(op: str, target: torch.Tensor, operand: Any, key: Any, name: s
             except (IndexError, RuntimeError, TypeError) as e:
                 raise UpdateError(f"{where_}: bad key {key!r} for shape {tuple(target.shape)} ({e}).") from None
     else:
-        raise UpdateError(
-            f"{where_}: value of type {type(operand).__name__} is not a tensor or a Python number."
-        )
+        raise UpdateError(f"{where_}: value of type {type(operand).__name__} is not a tensor or a Python number.")

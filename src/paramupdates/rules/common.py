@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import _state
+from .. import context
 from ..errors import UpdateError
 
 Named = list[tuple[str, torch.Tensor]]
@@ -26,7 +26,7 @@ def has_subclass(ts: list[torch.Tensor]) -> bool:
     return any(type(t) not in _PLAIN for t in ts)
 
 
-def plain(flag: bool) -> Any:
+def plain_if(flag: bool) -> Any:
     """``no_subclass()`` when ``flag`` (it slows every op down a little, so only where needed)."""
     return no_subclass() if flag else contextlib.nullcontext()
 
@@ -66,7 +66,7 @@ def named_tensors(obj: Any, fn: str) -> Named:
 
 def refuse_inside_step(fn: str, origin: str) -> None:
     """Rules are declared outside steps (their tensors must hold committed values)."""
-    if _state.explicit or any(a.tx is not None and a.tx.entries for a in _state.attachments):
+    if context.explicit or any(a.journal is not None and a.journal.entries for a in context.attachments):
         raise UpdateError(
             f"{fn} at {origin} was called while a step with pending updates is in progress. "
             "Declare rules before training (or between steps)."
@@ -94,7 +94,7 @@ def storage_key(ts: list[torch.Tensor], sub: bool = True) -> tuple[int, ...]:
 
     ``sub``: some tensor may be a ``pu.Parameter`` (then skip its ``__torch_function__``).
     """
-    with plain(sub):
+    with plain_if(sub):
         return tuple(map(_data_ptr, ts))
 
 

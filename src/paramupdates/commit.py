@@ -1,0 +1,416 @@
+"""The commit driver: one step's journal applied in the fixed phase order (phase order, rule 4; validated commit, rule 7).
+
+Every way of ending a step commits through :class:`Commit` (``pu.step``,
+``Stepper``, ``pu.attach`` and ``Attachment.flush``)::
+
+    c = Commit(journal, optimizer, options, caches, seq)
+    c.begin()              # validate: hide the overlay, sync, finiteness; False: skip the step
+    c.before_optimizer()   # the rules' checks (before any write), then phase before_grad
+    c.run_optimizer()      # phase grad: optimizer.step()   (or c.optimizer_stepped() under attach)
+    c.finish()             # after_grad, auxiliary, after_step
+    c.abort()              # on any exception: restore (atomic) or discard
+
+:meth:`Commit.run` is that sequence. With a closure (``optimizer.step(closure)``:
+LBFGS, Lightning's automatic optimization) the gradients exist only once the
+optimizer has called the closure, so :meth:`Commit.wrap_closure` runs ``begin``
+and ``before_optimizer`` right after the closure's first call returns, before
+the optimizer uses the gradients: ``before_grad`` rules (weight decay, and
+which parameters it decays) see this step's gradients, as ``AdamW`` does.
+
+Validation before the first write: shape, dtype kind and device are checked
+when an update is issued; at :meth:`Commit.begin` synced values are reduced
+and every pending value is checked for finiteness in one batched reduction;
+:meth:`Commit.before_optimizer` runs every declared rule's check. Only then is
+anything written. In each phase: the declared rules (declaration order), then
+the recorded updates (issue order). A target whose updates all lie in one
+phase and that nothing else wrote before that phase takes its pending value
+as is: one ``torch._foreach_copy_`` per device and dtype. Other targets fold
+their records, in issue order, over the value the target has when their
+phase comes.
+
+With ``atomic=True`` (``rollback.Rollback``) what a stage writes while a fallible
+stage is still to come is copied first, so that an exception restores everything.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+
+from . import context, hooks, overlay
+from .errors import UpdateError
+from .ops import apply_op
+from .phases import AFTER_OPTIMIZER, BEFORE_GRAD, GRAD, PHASES
+from .rollback import Rollback, SnapshotPool
+from .rules.base import Rule, RuleSet, rules_for
+from .schedule import Schedule, ScheduleEntry
+
+if TYPE_CHECKING:
+    from .journal import Entry, Journal
+    from .options import StepOptions
+
+
+class CommitContext:
+    """What rules see at commit: the optimizer, the model index, the learning rate of a parameter."""
+
+    def __init__(self, commit: Commit) -> None:
+        self.commit = commit
+        self.optimizer = commit.optimizer
+        self.index = commit.journal.index
+        self._lr: dict[int, float | None] | None = None
+
+    def lr_of(self, p: torch.Tensor) -> float | None:
+        """The learning rate of ``p``'s optimizer param group (None if not in it)."""
+        if self.optimizer is None:
+            return None
+        if self._lr is None:
+            self._lr = {}
+            for g in self.optimizer.param_groups:
+                lr = g.get("lr")
+                lr = float(lr) if lr is not None else None
+                for q in g["params"]:
+                    self._lr[id(q)] = lr
+        return self._lr.get(id(p))
+
+
+class Commit:
+    """One commit of one journal (see the module docstring for the sequence)."""
+
+    def __init__(
+        self,
+        journal: Journal,
+        optimizer: torch.optim.Optimizer | None,
+        options: StepOptions,
+        caches: tuple[SnapshotPool, RuleSet] | None,
+        seq: int,
+    ) -> None:
+        self.journal = journal
+        self.optimizer = optimizer
+        self.options = options
+        self.label = journal.label
+        self.seq = (
+            seq  # the owner's count of closed steps: ranks check they commit the same one (distributed sync, rule 9)
+        )
+        pool, self.ruleset = caches if caches is not None else (None, None)
+        self.rollback = Rollback(options.atomic, pool, self)
+        self.rules: list[Rule] = []
+        self.skipped = False
+        self.state = "new"  # new -> begun -> checked -> stepped -> done | aborted
+        # The entries whose targets were written earlier in this commit (by a phase or a rule: what
+        # the optimizer writes is trainable, see run_phase). Rules' tensors are added only when a
+        # phase has recorded entries to classify, so rules over many tensors cost nothing here.
+        self._dirty: set[int] = set()
+        self._dirty_pending: list[list[torch.Tensor]] = []
+        self._hidden_grads: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
+
+    # ------------------------------------------------------------------
+    # the sequence
+    # ------------------------------------------------------------------
+    def run(self, closure: Callable[[], Any] | None = None) -> Any:
+        """The whole commit; returns what ``optimizer.step`` returned. :meth:`abort` on any exception."""
+        try:
+            if closure is not None and self.optimizer is not None:
+                out = self.run_optimizer(self.wrap_closure(closure))
+                if self.skipped:
+                    return None
+            else:
+                if not self.begin():
+                    return None
+                self.before_optimizer()
+                out = self.run_optimizer()
+            self.finish()
+        except BaseException:
+            self.abort()
+            raise
+        return out
+
+    def begin(self) -> bool:
+        """Stop showing pending values, reduce synced ones, check finiteness. False: skip this step."""
+        j = self.journal
+        j.state = "committing"
+        j.hide()
+        self.state = "begun"
+        rules = rules_for(j.index)
+        if self.optimizer is None:
+            # rules that belong to the gradient update run once per real optimizer update (read-your-writes, rule 1)
+            rules = [r for r in rules if not r.per_optimizer_update]
+        self.rules = rules
+        self.rollback.save_rules(rules)
+        self.rollback.fallible_left = (1 if self.optimizer is not None else 0) + sum(
+            1 for r in rules if not r.infallible
+        )
+        opts = self.options
+        synced = [e for e in j.entries.values() if e.sync is not None]
+        remote_bad = 0
+        if synced:
+            backend = hooks.sync_backend(self.label)
+            backend.check_rules(self, synced)
+            if backend.active(opts.process_group):
+                # Rule 9: reduce the synced values; other ranks' finiteness of their
+                # unsynced values rides along, so all ranks decide alike.
+                local_bad = False
+                if opts.check_finite:
+                    ok = _finite_flag([e for e in j.entries.values() if e.sync is None])
+                    local_bad = ok is not None and not bool(ok)
+                remote_bad = backend.reduce(self, synced, local_bad)
+        if opts.check_finite:
+            bad = _nonfinite(j.entries.values())
+            if bad or remote_bad:
+                if opts.on_nonfinite == "skip":
+                    self.skipped = True
+                    self._end("done")
+                    return False
+                self._end("aborted")
+                if not bad:
+                    raise UpdateError(
+                        f"{self.label}: {remote_bad} other rank(s) have non-finite pending values in this "
+                        "step (see their error). Nothing was written on any rank. Fix the value, or pass "
+                        "on_nonfinite='skip' to drop such steps (they are counted, on every rank alike)."
+                    )
+                lines = "; ".join(f"{e.name!r} (last update at {e.records[-1].origin})" for e in bad)
+                raise UpdateError(
+                    f"{self.label}: non-finite pending value for {lines}. Nothing was written. "
+                    "Fix the value, or pass on_nonfinite='skip' to drop such steps (they are counted)."
+                )
+        return True
+
+    def before_optimizer(self) -> None:
+        """Check every declared rule (before any write), then apply phase ``before_grad``."""
+        if self.rules:
+            ctx = CommitContext(self)
+            if self.ruleset is not None:
+                self.ruleset.check(self.rules, ctx)
+            else:
+                for rule in self.rules:
+                    rule.check(ctx)
+        self.state = "checked"
+        self.run_phase(BEFORE_GRAD)
+
+    def wrap_closure(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """``closure`` for ``optimizer.step``: after its first call (the gradients exist) the commit
+        begins and applies ``before_grad``, before the optimizer uses the gradients."""
+
+        def closure_then_commit() -> Any:
+            loss = closure()
+            if self.state == "new":
+                if self.begin():
+                    with torch.no_grad():
+                        self.before_optimizer()
+                    self.journal.show_pending()  # later closure calls (LBFGS) read the pending values (read-your-writes, rule 1)
+                else:
+                    self.hide_grads()
+            return loss
+
+        return closure_then_commit
+
+    def run_optimizer(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Phase ``grad``: ``optimizer.step()`` (``closure``: a :meth:`wrap_closure`)."""
+        out = None
+        opt = self.optimizer
+        if opt is not None:
+            self.rollback.protect_optimizer(opt, all_params=closure is not None)
+            context.committing.append(self)  # an attachment on this optimizer stands aside
+            try:
+                out = opt.step() if closure is None else opt.step(closure)
+            finally:
+                context.committing.remove(self)
+            if closure is not None:
+                self.journal.hide()
+                if self.state == "new":
+                    raise UpdateError(
+                        f"{self.label}: {type(opt).__name__}.step(closure) returned without calling the closure, "
+                        "so this step's updates and rules could not run after the gradients were computed. "
+                        "Call optimizer.step() without a closure, or use an optimizer that calls it."
+                    )
+                if self.skipped:
+                    self.restore_grads()
+                    return out
+        self.optimizer_stepped()
+        return out
+
+    def optimizer_stepped(self) -> None:
+        """The optimizer's step is behind us (called by :meth:`run_optimizer`, or under attach by the
+        optimizer's post-hook)."""
+        if self.optimizer is not None:
+            self.rollback.stage_done(True)
+        self.journal.done_phases.add(GRAD)
+        self.state = "stepped"
+
+    def finish(self) -> None:
+        """Phases ``after_grad``, ``auxiliary`` and ``after_step``; the commit is done."""
+        self.journal.hide()
+        for phase in AFTER_OPTIMIZER:
+            self.run_phase(phase)
+        self._end("done")
+
+    def abort(self) -> None:
+        """Undo the commit: restore what it wrote (``atomic``), drop what is pending."""
+        self.journal.hide()
+        self.restore_grads()
+        if self.state in ("begun", "checked", "stepped"):
+            self.rollback.restore()  # the copies (atomic), the optimizer's state, the rules' state
+        if self.state not in ("done", "aborted"):
+            self._end("aborted")
+
+    def _end(self, state: str) -> None:
+        self.state = state
+        self.journal.state = "closed"
+        self.rollback.end()
+
+    # ------------------------------------------------------------------
+    # skipped steps under a closure or an attachment: the optimizer runs, but sees no gradients
+    # ------------------------------------------------------------------
+    def hide_grads(self) -> None:
+        saved = []
+        for g in self.optimizer.param_groups:  # type: ignore[union-attr]
+            for p in g["params"]:
+                saved.append((p, p.grad))
+                p.grad = None
+        self._hidden_grads = saved
+
+    def restore_grads(self) -> None:
+        if self._hidden_grads is not None:
+            for p, grad in self._hidden_grads:
+                p.grad = grad
+            self._hidden_grads = None
+
+    # ------------------------------------------------------------------
+    # the plan
+    # ------------------------------------------------------------------
+    def schedule(self) -> Schedule:
+        """The plan of this commit (made when first read)."""
+        return Schedule.later(self._rows)
+
+    def _rows(self) -> list[ScheduleEntry]:
+        rows: list[ScheduleEntry] = []
+        index = self.journal.index
+        order = list(self.journal.order)
+        for phase in PHASES:
+            if phase == GRAD:
+                if self.optimizer is not None:
+                    rows.append(
+                        ScheduleEntry(
+                            GRAD, "<optimizer parameters>", f"{type(self.optimizer).__name__}.step", "-", self.label
+                        )
+                    )
+                continue
+            for rule in self.rules:
+                if rule.phase == phase:
+                    rows.extend(rule.rows(index))
+            for e, r in order:
+                if r.phase == phase:
+                    cond = "-" if r.cond is None else "when(tensor)"
+                    sync = f" sync={r.sync}" if r.sync else ""
+                    rows.append(ScheduleEntry(phase, e.name, r.op + sync, cond, str(r.origin)))
+        return rows
+
+    # ------------------------------------------------------------------
+    # a phase
+    # ------------------------------------------------------------------
+    def run_phase(self, phase: str) -> None:
+        """Apply one phase: its declared rules, then its recorded updates (see the module docstring)."""
+        rb = self.rollback
+        rules = [r for r in self.rules if r.phase == phase]
+        if rules:
+            ctx = CommitContext(self)
+            with torch.no_grad():
+                for rule in rules:
+                    written = rule.tensors()
+                    rb.protect(written)
+                    rule.apply(ctx)
+                    self._dirty_pending.append(written)
+                    rb.stage_done(not rule.infallible)
+        j = self.journal
+        in_phase = j.by_phase.get(phase)
+        if not in_phase:
+            j.done_phases.add(phase)
+            return
+        fast_dst: list[torch.Tensor] = []
+        fast_src: list[torch.Tensor] = []
+        slow: list[Entry] = []
+        self._flush_dirty()
+        dirty = self._dirty
+        later = phase != BEFORE_GRAD and GRAD in j.done_phases  # the optimizer may have written trainables
+        for e in in_phase:
+            # A target updated in this phase alone, that nothing wrote before, takes its pending value
+            # as is. (A synced target, rule 9, commits its reduced value: it has one phase, is not
+            # trainable and no rule writes it, as checked before.)
+            if e.sync is not None or (len(e.phases) == 1 and id(e) not in dirty and not (later and e.trainable)):
+                fast_dst.append(_raw(e))
+                fast_src.append(e.value)  # type: ignore[arg-type]
+            else:
+                slow.append(e)
+        if rb.enabled:
+            rb.protect(fast_dst + [_raw(e) for e in slow])
+        with torch.no_grad():
+            if fast_dst:
+                if len(fast_dst) == 1:
+                    fast_dst[0].copy_(fast_src[0])
+                else:
+                    grouped = _group_tensors_by_device_and_dtype([fast_dst, fast_src])
+                    for _k, ([dst, src], _) in grouped.items():
+                        torch._foreach_copy_(dst, src)
+            for e in slow:
+                raw = _raw(e)
+                val: torch.Tensor = raw
+                for r in e.records:
+                    if r.phase == phase:
+                        val = apply_op(r.op, val, r.operand, r.key, r.cond)
+                raw.copy_(val)
+        dirty.update(map(id, in_phase))  # (ids of entries, not targets: see _flush_dirty)
+        j.done_phases.add(phase)
+
+    def _flush_dirty(self) -> None:
+        """Add the entries whose targets the rules so far wrote to ``_dirty`` (as the ids of the entries)."""
+        if not self._dirty_pending:
+            return
+        entries = self.journal.entries
+        for ts in self._dirty_pending:
+            for t in ts:
+                e = entries.get(id(t))
+                if e is not None and e.target is t:
+                    self._dirty.add(id(e))
+        self._dirty_pending.clear()
+
+
+def _raw(e: Entry) -> torch.Tensor:
+    """``e``'s target as a plain tensor to write into (made once per entry)."""
+    raw = e.raw
+    if raw is None:
+        raw = e.raw = e.target if type(e.target) in _PLAIN else overlay.plain(e.target).detach()
+    return raw
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+# --- finiteness: one batched reduction ---------------------------------------------
+def _float_entries(entries: Any) -> list[Entry]:
+    return [e for e in entries if e.value is not None and (e.value.is_floating_point() or e.value.is_complex())]
+
+
+def _finite_flag(entries: Any) -> torch.Tensor | None:
+    """A 0-dim bool on the CPU: all pending values of ``entries`` finite (None if none is floating)."""
+    ents = _float_entries(entries)
+    if not ents:
+        return None
+    flags = []
+    with torch.no_grad():
+        grouped = _group_tensors_by_device_and_dtype([[e.value for e in ents]])
+        for (_dev, _dt), ([ts], _) in grouped.items():
+            norms = torch._foreach_norm(ts, math.inf)
+            flags.append(torch.stack(norms).isfinite().all().cpu())
+        return flags[0] if len(flags) == 1 else torch.stack(flags).all()
+
+
+def _nonfinite(entries: Any) -> list[Entry]:
+    """The entries whose pending value is not finite (one batched check; per entry only on failure)."""
+    entries = list(entries)
+    ok = _finite_flag(entries)
+    if ok is None or bool(ok):
+        return []
+    return [e for e in _float_entries(entries) if not bool(e.value.isfinite().all())]

@@ -1,0 +1,196 @@
+"""Extension points of the core, in the style of ``torch.optim``'s hook registries.
+
+The core (recording, the overlay, the commit) knows no integration. What an
+integration adds, it registers here; each ``register_*`` returns a
+``torch.utils.hooks.RemovableHandle`` (``handle.remove()`` undoes it).
+``paramupdates/__init__.py`` imports ``paramupdates.integrations``, whose
+modules register themselves:
+
+=====================  ==============================================  =============================
+extension point        called by the core                              registered by
+=====================  ==============================================  =============================
+target resolvers       at each update, before routing: a tensor that   ``integrations.parametrize``
+                       is computed from stored ones (transformed parameters, rule 10) becomes   (``right_inverse``)
+                       updates of those
+module visitors        for each submodule when a model is indexed      ``integrations.parametrize``
+segment probes         at each update: the activation-checkpointing    ``integrations.checkpoint``
+                       segment whose forward is running, if any        (``torch.utils.checkpoint``)
+                       (replay, rule 3)
+sync backend           ``sync=`` updates: validation at the call,       ``integrations.distributed``
+                       the all-reduce at commit (distributed sync, rule 9)
+tracing support        while ``torch.compile`` traces: the call site,   ``integrations.compile``
+                       trace-time constants
+=====================  ==============================================  =============================
+
+A hook runs on the hot path of every update: keep it cheap when it has
+nothing to do.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+from torch.utils.hooks import RemovableHandle
+
+from .errors import UpdateError
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from .commit import Commit
+    from .journal import Entry, Journal
+    from .replay import EagerLog
+
+
+# --- target resolvers (transformed parameters, rule 10) ---------------------------------------------
+TargetResolver = Callable[["torch.Tensor", str, Any, Any, Any], "list[tuple[torch.Tensor, torch.Tensor]] | None"]
+"""``(target, op, operand, key, origin) -> [(stored tensor, new value), ...]`` when ``target`` is
+computed from stored tensors (then the update becomes ``assign``s of those), else ``None``."""
+
+target_resolvers: OrderedDict[int, TargetResolver] = OrderedDict()
+
+
+def register_target_resolver(fn: TargetResolver) -> RemovableHandle:
+    """Map updates of computed tensors (a parametrization's output) to their stored tensors."""
+    handle = RemovableHandle(target_resolvers)
+    target_resolvers[handle.id] = fn
+    return handle
+
+
+# --- module visitors -----------------------------------------------------------
+ModuleVisitor = Callable[["nn.Module", str], None]
+"""``(module, qualified name)``: called for each submodule when a model's tensors are indexed."""
+
+module_visitors: OrderedDict[int, ModuleVisitor] = OrderedDict()
+
+
+def register_module_visitor(fn: ModuleVisitor) -> RemovableHandle:
+    """Be shown every submodule of every model paramupdates indexes (e.g. to hook it)."""
+    handle = RemovableHandle(module_visitors)
+    module_visitors[handle.id] = fn
+    return handle
+
+
+# --- segment probes (replay, rule 3) ---------------------------------------------------
+class SegmentProbe(Protocol):
+    """Finds the activation-checkpointing segment whose forward is running."""
+
+    def active(self) -> bool:
+        """Whether an update issued now is inside such a segment (cheap)."""
+
+    def adopt(self) -> EagerLog | None:
+        """Make that segment's recomputation replay (note the values at its entry); return its eager
+        log (where eager writes note their entry values), or ``None`` outside a segment."""
+
+
+segment_probes: OrderedDict[int, SegmentProbe] = OrderedDict()
+
+
+def register_segment_probe(probe: SegmentProbe) -> RemovableHandle:
+    """Make checkpointed segments of another mechanism than ``pu.checkpoint`` replay their updates."""
+    handle = RemovableHandle(segment_probes)
+    segment_probes[handle.id] = probe
+    return handle
+
+
+def adopt_segment() -> EagerLog | None:
+    """The eager log of the segment a probe finds running, after adopting it (``None``: no segment)."""
+    for probe in segment_probes.values():
+        log = probe.adopt()
+        if log is not None:
+            return log
+    return None
+
+
+def in_segment() -> bool:
+    """Whether some probe finds a checkpointed segment running."""
+    return any(probe.active() for probe in segment_probes.values())
+
+
+# --- sync backend (distributed sync, rule 9) -----------------------------------------------------
+class SyncBackend(Protocol):
+    """Reduces pending values across ranks."""
+
+    def check_options(self, process_group: Any, sync_timeout: Any) -> float | None:
+        """Validate a stepper's ``process_group`` / ``sync_timeout``; the timeout in seconds."""
+
+    def active(self, process_group: Any = None) -> bool:
+        """Whether there is anything to reduce over (a group of more than one rank)."""
+
+    def check_update(self, journal: Journal, e: Entry, sync: str | None, phase: str, fn: str, origin: str) -> None:
+        """Validate, at its call site, an update of a target that is (or becomes) synced."""
+
+    def check_rules(self, commit: Commit, synced: list[Entry]) -> None:
+        """Before the commit writes: refuse a declared rule that writes a synced target."""
+
+    def reduce(self, commit: Commit, synced: list[Entry], local_nonfinite: bool) -> int:
+        """Replace the pending values of ``synced`` by their reduction; return how many ranks
+        reported non-finite unsynced values."""
+
+    def apply_eager(
+        self, op: str, target: torch.Tensor, operand: Any, key: Any, cond: Any, sync: str, name: str, origin: str
+    ) -> None:
+        """A synced update outside a step: reduce the new value now, then write it."""
+
+
+_sync: OrderedDict[int, SyncBackend] = OrderedDict()
+
+
+def register_sync_backend(backend: SyncBackend) -> RemovableHandle:
+    """Set what ``sync="mean"`` / ``"sum"`` reduces with (the last registered wins)."""
+    handle = RemovableHandle(_sync)
+    _sync[handle.id] = backend
+    return handle
+
+
+def _last(registry: dict[int, Any]) -> Any:
+    found = None
+    for x in registry.values():  # (a plain loop: dynamo traces this)
+        found = x
+    return found
+
+
+def sync_backend(where: str = "") -> SyncBackend:
+    """The registered sync backend (the last registered); an error naming ``where`` if there is none."""
+    backend = _last(_sync)
+    if backend is None:
+        raise UpdateError(
+            f"{where}: sync= needs torch.distributed support, which is not registered "
+            "(import paramupdates, which registers paramupdates.integrations.distributed)."
+        )
+    return backend
+
+
+def sync_active(process_group: Any = None) -> bool:
+    """Whether a sync backend is registered and has more than one rank to reduce over."""
+    backend = _last(_sync)
+    return backend is not None and backend.active(process_group)
+
+
+# --- tracing support (torch.compile) -------------------------------------------
+class TracingSupport(Protocol):
+    """What the core asks while ``torch.compile`` traces it."""
+
+    def call_site(self) -> str:
+        """``file:line`` of the user code being traced (a trace-time constant)."""
+
+    def in_optimizer(self, optimizer: Any, t: torch.Tensor) -> bool:
+        """Whether ``t`` is one of ``optimizer``'s parameters (a trace-time constant)."""
+
+
+_tracing: OrderedDict[int, TracingSupport] = OrderedDict()
+
+
+def register_tracing_support(support: TracingSupport) -> RemovableHandle:
+    """Set how the core answers, while dynamo traces, what it answers from frames and ``id()`` eagerly."""
+    handle = RemovableHandle(_tracing)
+    _tracing[handle.id] = support
+    return handle
+
+
+def tracing() -> TracingSupport | None:
+    """The registered tracing support (the last registered), if any."""
+    return _last(_tracing)

@@ -1,0 +1,333 @@
+"""The journal of a step: what was issued, and what reads see (rules 1, 2, 5, 6 of ``docs/design.md``).
+
+An update issued inside a step is validated at its call site (phase, shape,
+dtype kind, device) and recorded as a :class:`Record` (op, operand,
+condition, phase, origin) on the :class:`Entry` of its target. The target's
+pending value is computed out of place (``ops.apply_op``) and shown to later
+reads (``overlay``): read-your-writes in program order (rule 1). No storage
+is written (deferred commit, rule 2): saved tensors stay valid, version counters do not move.
+
+While a checkpointed segment is recomputed (``context.replay``), an update
+issued again moves only the replay's view and is not recorded (rule 3).
+
+The journal is written by the recording path and read by the commit
+(``commit.Commit``), which applies it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import context, hooks, overlay
+from .errors import AmbiguousOrderError, UpdateError
+from .ops import apply_op, check_operand
+from .origin import Origin
+from .phases import AUXILIARY, ISSUE_PHASES, RECORD_PHASES
+from .targets import ModelIndex, TargetInfo
+
+_graph_task_id = torch._C._current_graph_task_id
+
+
+@dataclass(eq=False, slots=True)
+class Record:
+    """One issued update."""
+
+    op: str
+    operand: Any
+    key: Any
+    cond: torch.Tensor | None
+    phase: str
+    sync: str | None
+    origin: Origin | str
+
+
+@dataclass(eq=False)
+class Entry:
+    """A target with pending updates in one journal."""
+
+    target: torch.Tensor
+    name: str
+    info: TargetInfo | None
+    trainable: bool
+    shows: str | None  # how reads see the pending value: overlay.PARAM, overlay.BUFFER or None
+    slots: dict[str, Any] | None = None  # overlay.BUFFER: the owning module's buffer dict (``attr`` in it)
+    attr: str = ""
+    value: torch.Tensor | None = None
+    records: list[Record] = field(default_factory=list)
+    phases: set[str] = field(default_factory=set)  # the phases of the records
+    swapped: bool = False  # a buffer slot holds the pending value
+    sync: str | None = None  # "mean"/"sum" when an update of this step asked for it (distributed sync, rule 9)
+    raw: torch.Tensor | None = None  # the target as a plain tensor, for the commit's writes
+
+    def current(self) -> torch.Tensor:
+        return self.target if self.value is None else self.value
+
+
+class Journal:
+    """The pending updates of one step of one model (with its optimizer)."""
+
+    def __init__(self, index: ModelIndex, optimizer: torch.optim.Optimizer | None, label: str) -> None:
+        self.index = index
+        self.optimizer = optimizer
+        self.label = label
+        self.entries: dict[int, Entry] = {}
+        self.aliases: dict[int, Entry] = {}  # id(pending value) -> its entry
+        self.aliases_stale = False  # set when a compiled graph installed pending values
+        self.order: list[tuple[Entry, Record]] = []
+        self.by_phase: dict[str, list[Entry]] = {}  # phase -> the entries with records in it
+        self.shown = False  # some pending value is shown (hide() has something to do)
+        self.state = "open"  # open -> committing -> closed
+        self.done_phases: set[str] = set()
+        self._opt_ids: set[int] | None = None
+
+    # ------------------------------------------------------------------
+    # lookup
+    # ------------------------------------------------------------------
+    def opt_ids(self) -> set[int]:
+        """``id()`` of every parameter of the optimizer."""
+        if self._opt_ids is None:
+            ids: set[int] = set()
+            if self.optimizer is not None:
+                for g in self.optimizer.param_groups:
+                    ids.update(id(p) for p in g["params"])
+            self._opt_ids = ids
+        return self._opt_ids
+
+    def find(self, t: torch.Tensor, create: bool = True, compiling: bool | None = None) -> Entry | None:
+        """The entry of target ``t`` (or of a pending value read from it); ``create``: make one for a
+        target of the model. ``compiling``: ``torch.compiler.is_compiling()``, if the caller knows it."""
+        if compiling is None:
+            compiling = torch.compiler.is_compiling()
+        if compiling:
+            # id() of a pending value would make dynamo guard on it (a recompilation per step): identity
+            for e in self.entries.values():
+                if e.target is t or e.value is t:
+                    return e
+        else:
+            e = self.entries.get(id(t))
+            if e is not None and e.target is t:
+                return e
+            if self.aliases_stale:
+                self.aliases = {id(x.value): x for x in self.entries.values() if x.value is not None}
+                self.aliases_stale = False
+            e = self.aliases.get(id(t))
+            if e is not None and e.value is t:
+                return e
+        replay = context.replay
+        if replay is not None:
+            e = replay.lookup(self, t)  # a value shown by a checkpoint recomputation
+            if e is not None:
+                return e
+        if not create:
+            return None
+        info = self.index.lookup(t)
+        if info is None:
+            return None
+        shows = overlay.shows_through(t, info.kind)
+        owner = info.owner if shows == overlay.BUFFER else None
+        e = Entry(
+            t,
+            info.name,
+            info,
+            self._trainable(t, compiling),
+            shows,
+            None if owner is None else owner._buffers,
+            info.attr,
+        )
+        self.entries[id(t)] = e
+        return e
+
+    def _trainable(self, t: torch.Tensor, compiling: bool) -> bool:
+        """Whether the optimizer also updates ``t``: it requires grad and, when the step has an
+        optimizer, is one of its parameters."""
+        if not t.requires_grad:
+            return False
+        if self.optimizer is None:
+            return True
+        if compiling:
+            support = hooks.tracing()
+            if support is not None:
+                return support.in_optimizer(self.optimizer, t)
+            return any(p is t for g in self.optimizer.param_groups for p in g["params"])
+        return id(t) in self.opt_ids()
+
+    # ------------------------------------------------------------------
+    # recording
+    # ------------------------------------------------------------------
+    def record(
+        self,
+        e: Entry,
+        op: str,
+        operand: Any,
+        key: Any,
+        phase: str | None,
+        sync: str | None,
+        origin: Origin | str,
+        fresh: bool = False,
+        compiling: bool = False,
+        new: torch.Tensor | None = None,
+    ) -> None:
+        """Validate one update of ``e``'s target and make its new value pending (see the module docstring).
+
+        ``fresh``: an internal update (``pu.nn``'s statistics) whose operand was made for it from the
+        target's own value: it is not validated again and becomes the pending value without a copy.
+        ``new``: the new value, already computed by the caller from the value it read (an internal,
+        ``fresh`` update; a ``pu.when`` condition still applies to it).
+        """
+        if phase is None or phase == AUXILIARY:
+            if e.trainable:
+                raise AmbiguousOrderError(
+                    f"pu.{op} on {e.name!r} at {origin} has no phase, but {e.name!r} is trainable "
+                    "(the optimizer also updates it), so the order of the two updates is ambiguous. "
+                    "Pass phase='before_grad' to apply it before the gradient update, or "
+                    "phase='after_grad' to apply it after."
+                )
+            phase = AUXILIARY
+        elif phase not in RECORD_PHASES:
+            raise UpdateError(
+                f"pu.{op} on {e.name!r} at {origin}: unknown phase {phase!r}; use one of "
+                f"{', '.join(map(repr, ISSUE_PHASES))}."
+            )
+        if sync is not None or e.sync is not None:
+            fn = f"pu.{op}"
+            hooks.sync_backend(f"{fn} on {e.name!r} at {origin}").check_update(self, e, sync, phase, fn, origin)
+        if self.done_phases and phase in self.done_phases:
+            raise UpdateError(
+                f"pu.{op} on {e.name!r} at {origin} with phase={phase!r} was issued after that phase was "
+                f"committed (inside optimizer.step()). Issue it before the optimizer step, or use a later phase."
+            )
+        replay = context.replay
+        # (While dynamo traces, this is not a runtime check; a compiled forward
+        # is not re-run by autograd: checkpointing inside it is a graph op.)
+        if replay is None and not compiling and _graph_task_id() != -1:
+            raise UpdateError(
+                f"pu.{op} on {e.name!r} at {origin} was issued during backward (from a hook, or from "
+                "the recomputation of torch.utils.checkpoint with use_reentrant=True). Updates issued in "
+                "backward would be applied twice or out of order: issue them in forward, and use "
+                "pu.checkpoint (or torch.utils.checkpoint with use_reentrant=False) for activation "
+                "checkpointing."
+            )
+        if replay is None and not compiling and context.eager_log is None and hooks.segment_probes:
+            hooks.adopt_segment()  # inside a torch.utils.checkpoint segment: note its entry values (replay, rule 3)
+        cond = context.conditions[-1]
+        pred = cond if isinstance(cond, torch.Tensor) else None
+        if new is not None:
+            if pred is not None:
+                new = torch.where(pred, new, overlay.plain(self.current_of(e)))
+        else:
+            if not fresh:
+                check_operand(op, e.target, operand, key, e.name, origin)
+                if isinstance(operand, torch.Tensor):
+                    operand = self.read(operand, compiling)
+                    if not e.trainable:
+                        operand = operand.detach()
+            new = apply_op(op, overlay.plain(self.current_of(e)), operand, key, pred, fresh)
+            if not e.trainable:
+                new = new.detach()
+        if replay is not None:
+            replay.set_value(self, e, new)  # issued again by a recomputation: only its view moves
+            return
+        self._store(e, Record(op, operand, key, pred, phase, sync, origin), new, compiling)
+
+    def record_computed(
+        self,
+        items: list[tuple[Entry, str, Any, torch.Tensor]],
+        sync: str | None,
+        origin: Origin | str,
+        compiling: bool,
+    ) -> None:
+        """Several internal auxiliary updates whose new values the caller computed (``pu.nn``'s
+        statistics: ``(entry, op, operand, new value)``), checked together: what :meth:`record`
+        checks that does not depend on the target, once."""
+        replay = context.replay
+        if self.done_phases and AUXILIARY in self.done_phases:
+            self.record(items[0][0], "assign", items[0][3], None, None, sync, origin, True, compiling)  # raises
+        if replay is None and not compiling:
+            if _graph_task_id() != -1:
+                self.record(items[0][0], "assign", items[0][3], None, None, sync, origin, True, compiling)  # raises
+            if context.eager_log is None and hooks.segment_probes:
+                hooks.adopt_segment()  # inside a torch.utils.checkpoint segment (replay, rule 3)
+        cond = context.conditions[-1]
+        pred = cond if isinstance(cond, torch.Tensor) else None
+        for e, op, operand, new in items:
+            if e.trainable or sync is not None or e.sync is not None:
+                self.record(e, op, operand, None, None, sync, origin, True, compiling, new)  # the general path
+                continue
+            if pred is not None:
+                new = torch.where(pred, new, overlay.plain(self.current_of(e)))
+            if replay is not None:
+                replay.set_value(self, e, new)
+            else:
+                self._store(e, Record(op, operand, None, pred, AUXILIARY, None, origin), new, compiling)
+
+    def _store(self, e: Entry, rec: Record, new: torch.Tensor, compiling: bool) -> None:
+        """Keep ``rec`` and make ``new`` the pending value."""
+        phase, sync = rec.phase, rec.sync
+        e.records.append(rec)
+        if phase not in e.phases:
+            e.phases.add(phase)
+            bucket = self.by_phase.get(phase)
+            if bucket is None:
+                bucket = self.by_phase[phase] = []
+            bucket.append(e)  # (no id() of an entry: dynamo cannot replay the id of an object it made)
+        if sync is not None:
+            e.sync = sync
+        self.order.append((e, rec))
+        self.set_value(e, new, compiling)
+
+    def set_value(self, e: Entry, new: torch.Tensor, compiling: bool | None = None) -> None:
+        """Make ``new`` what reads of ``e``'s target return."""
+        old = e.value
+        e.value = new
+        if compiling if compiling is not None else torch.compiler.is_compiling():
+            self.aliases_stale = True
+        else:
+            if old is not None:
+                self.aliases.pop(id(old), None)
+            self.aliases[id(new)] = e
+        if e.shows is not None:
+            self.shown = True
+            if overlay.show(e, new, e, old):
+                e.swapped = True
+
+    def current_of(self, e: Entry) -> torch.Tensor:
+        """What a read of ``e``'s target sees now: its pending value, or the value a checkpoint
+        recomputation shows (``context.replay``)."""
+        replay = context.replay
+        if replay is not None:
+            return replay.current(self, e)
+        return e.current()
+
+    def read(self, t: torch.Tensor, compiling: bool | None = None) -> torch.Tensor:
+        """The value of ``t`` as this step sees it (pending or stored), as a plain tensor."""
+        e = self.find(t, False, compiling)
+        if e is None:
+            return overlay.plain(t)
+        return overlay.plain(self.current_of(e))
+
+    # ------------------------------------------------------------------
+    # the overlay
+    # ------------------------------------------------------------------
+    def hide(self) -> None:
+        """Stop showing pending values: module slots get their stored tensors back."""
+        if not self.shown:
+            return
+        self.shown = False
+        for e in self.entries.values():
+            if e.shows is not None:
+                overlay.hide(e, e.value, e)
+                e.swapped = False
+
+    def show_pending(self) -> None:
+        """Show the values still pending (those of phases not committed yet) again."""
+        for e in self.entries.values():
+            if e.value is not None and e.phases - self.done_phases:
+                self.set_value(e, e.value)
+
+    def discard(self) -> None:
+        """Drop every pending update; storage was never touched."""
+        self.hide()
+        self.state = "closed"

@@ -1,0 +1,120 @@
+"""Call sites: the ``file:line`` of the user code that issued an update or declared a rule.
+
+:func:`capture` is on the path of every update, so it is cheap: it walks the
+frames to the first one outside paramupdates and torch (the verdict per code
+object is cached) and keeps ``(filename, line)``; the text is made only when
+shown (an error, ``schedule()``). Paths under the working directory are shown
+relative to it, so that a schedule printed by the same script is the same
+from run to run. While ``torch.compile`` traces, the frames are dynamo's: the
+registered tracing support (``hooks.register_tracing_support``) gives the
+user's call site as a trace-time constant string instead.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+
+import torch
+
+from . import hooks
+
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# Modules built on the mechanism (pu.nn) are where their updates are issued:
+# their lines are shown, not skipped.
+_USER_SUBDIRS = tuple(_PKG_DIR + d + os.sep for d in ("nn",))
+# The demo is user code that ships in the package: its lines are shown too.
+_USER_FILES = (_PKG_DIR + "demo.py",)
+_TORCH_DIR = os.path.dirname(os.path.abspath(sys.modules["torch"].__file__)) + os.sep
+_CWD = os.getcwd() + os.sep
+
+
+# Files of a framework between the user's line and paramupdates (RETURNN's ``rf.Parameter.assign``
+# and torch backend), registered by its bridge: skipped like our own.
+_FRAMEWORK_FILES: set[str] = set()
+
+
+def register_internal_files(*paths: str) -> None:
+    """Skip frames of these source files when looking for the user's call site (a framework's plumbing)."""
+    _FRAMEWORK_FILES.update(os.path.abspath(p) for p in paths)
+    _INTERNAL.clear()
+
+
+def is_internal(filename: str) -> bool:
+    """Whether frames of ``filename`` are skipped when looking for the user's call site."""
+    if filename.startswith(_PKG_DIR):
+        return not (filename.startswith(_USER_SUBDIRS) or filename in _USER_FILES)
+    return (
+        filename.startswith(_TORCH_DIR)
+        or filename.startswith("<frozen")
+        or "contextlib.py" in filename
+        or filename in _FRAMEWORK_FILES
+    )
+
+
+def relative(filename: str) -> str:
+    """``filename`` relative to the working directory when it lies under it."""
+    return filename[len(_CWD) :] if filename.startswith(_CWD) else filename
+
+
+_INTERNAL: dict[types.CodeType, bool] = {}
+
+
+class Origin:
+    """Where an update was issued: shown as ``file:line`` (formatted when first shown)."""
+
+    __slots__ = ("file", "line", "_text")
+
+    def __init__(self, file: str, line: int) -> None:
+        self.file = file
+        self.line = line
+        self._text: str | None = None
+
+    def __str__(self) -> str:
+        if self._text is None:
+            self._text = f"{relative(self.file)}:{self.line}"
+        return self._text
+
+    __repr__ = __str__
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
+    def __eq__(self, other: object) -> bool:
+        return str(self) == str(other) if isinstance(other, Origin | str) else NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(str(self))
+
+
+def capture(depth: int = 2, compiling: bool | None = None) -> Origin | str:
+    """The call site of the first frame (from ``depth`` up) outside paramupdates and torch.
+
+    Returns an :class:`Origin` (formatted when shown), or a string while dynamo traces.
+    """
+    if compiling if compiling is not None else torch.compiler.is_compiling():
+        support = hooks.tracing()
+        return support.call_site() if support is not None else "<compiled>"
+    try:
+        f = sys._getframe(depth)
+    except ValueError:  # pragma: no cover - shallow stack
+        return "<unknown>"
+    first = f
+    cache = _INTERNAL
+    while f is not None:
+        code = f.f_code
+        internal = cache.get(code)
+        if internal is None:
+            if len(cache) >= 4096:  # code objects of re-run notebook cells: keep the cache bounded
+                cache.clear()
+            internal = cache[code] = is_internal(code.co_filename)
+        if not internal:
+            return Origin(code.co_filename, f.f_lineno)
+        f = f.f_back
+    return Origin(first.f_code.co_filename, first.f_lineno)
+
+
+def call_site(depth: int = 2) -> str:
+    """``"file:line"`` of the first frame (from ``depth`` up) outside paramupdates and torch."""
+    return str(capture(depth + 1))

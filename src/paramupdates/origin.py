@@ -30,17 +30,6 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(sys.modules["torch"].__file__)) + o
 _CWD = os.getcwd() + os.sep
 
 
-# Files of a framework between the user's line and paramupdates (RETURNN's ``rf.Parameter.assign``
-# and torch backend), registered by its bridge: skipped like our own.
-_FRAMEWORK_FILES: set[str] = set()
-
-
-def register_internal_files(*paths: str) -> None:
-    """Skip frames of these source files when looking for the user's call site (a framework's plumbing)."""
-    _FRAMEWORK_FILES.update(os.path.abspath(p) for p in paths)
-    _INTERNAL.clear()
-
-
 def is_internal(filename: str) -> bool:
     """Whether frames of ``filename`` are skipped when looking for the user's call site."""
     if filename.startswith(_PKG_DIR):
@@ -49,7 +38,7 @@ def is_internal(filename: str) -> bool:
         filename.startswith(_TORCH_DIR)
         or filename.startswith("<frozen")
         or "contextlib.py" in filename
-        or filename in _FRAMEWORK_FILES
+        or filename in hooks.internal_files  # a framework's plumbing (hooks.register_internal_files)
     )
 
 
@@ -59,6 +48,7 @@ def relative(filename: str) -> str:
 
 
 _INTERNAL: dict[types.CodeType, bool] = {}
+hooks.internal_files_changed.append(_INTERNAL.clear)
 
 
 class Origin:

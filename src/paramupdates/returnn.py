@@ -56,7 +56,7 @@ Built on the public API (``pu.Parameter``, ``pu.assign*``, ``pu.read``,
 ``pu.attach``, ``pu.weight_decay``, ``pu.constrain``) and two internals, each
 in one marked function near the end: ``paramupdates.targets.owner_anywhere``
 (a target's qualified name, for an error message) and
-``paramupdates.origin.register_internal_files`` (call sites skip RETURNN's
+``paramupdates.hooks.register_internal_files`` (call sites skip RETURNN's
 plumbing).
 """
 
@@ -577,10 +577,10 @@ def _attachment_of(obj: Any) -> Attachment | None:
 def _register_returnn_call_sites() -> None:
     """RETURNN's files between a user's ``param.assign(...)`` and pu (``rf.Parameter.assign``, the torch
     backend): call sites (``file:line`` in errors and schedules) skip them and name the user's line.
-    INTERNAL: ``paramupdates.origin.register_internal_files`` (added for this bridge)."""
-    from . import origin
+    INTERNAL: ``paramupdates.hooks.register_internal_files`` (added for this bridge)."""
+    from . import hooks
 
-    origin.register_internal_files(rf.Parameter.assign.__code__.co_filename, _rt_backend.__file__)
+    hooks.register_internal_files(rf.Parameter.assign.__code__.co_filename, _rt_backend.__file__)
 
 
 _register_returnn_call_sites()

@@ -20,6 +20,8 @@ sync backend           ``sync=`` updates: validation at the call,       ``integr
                        the all-reduce at commit (distributed sync, rule 9)
 tracing support        while ``torch.compile`` traces: the call site,   ``integrations.compile``
                        trace-time constants
+internal files         finding an update's call site: frames of these   ``paramupdates.returnn``
+                       files are skipped (a framework's plumbing)       (``rf.Parameter.assign``)
 =====================  ==============================================  =============================
 
 A hook runs on the hot path of every update: keep it cheap when it has
@@ -28,6 +30,7 @@ nothing to do.
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
@@ -194,3 +197,33 @@ def register_tracing_support(support: TracingSupport) -> RemovableHandle:
 def tracing() -> TracingSupport | None:
     """The registered tracing support (the last registered), if any."""
     return _last(_tracing)
+
+
+# --- internal files (call sites) -------------------------------------------------------------------------
+internal_files: set[str] = set()
+"""Source files whose frames a call site skips, like paramupdates' own (``origin.is_internal`` reads it)."""
+_internal_files: OrderedDict[int, frozenset[str]] = OrderedDict()
+internal_files_changed: list[Callable[[], None]] = []  # origin.py drops its per-code-object verdicts
+
+
+class _InternalFilesHandle(RemovableHandle):
+    def remove(self) -> None:
+        super().remove()
+        _update_internal_files()
+
+
+def register_internal_files(*paths: str) -> RemovableHandle:
+    """Skip frames of these source files when finding an update's call site: a framework's plumbing
+    between the user's line and paramupdates (RETURNN's ``rf.Parameter.assign``), so that errors and
+    schedules name the user's line."""
+    handle = _InternalFilesHandle(_internal_files)
+    _internal_files[handle.id] = frozenset(os.path.abspath(p) for p in paths)
+    _update_internal_files()
+    return handle
+
+
+def _update_internal_files() -> None:
+    internal_files.clear()
+    internal_files.update(*_internal_files.values())
+    for fn in internal_files_changed:
+        fn()

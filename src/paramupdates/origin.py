@@ -34,7 +34,12 @@ def is_internal(filename: str) -> bool:
     """Whether frames of ``filename`` are skipped when looking for the user's call site."""
     if filename.startswith(_PKG_DIR):
         return not (filename.startswith(_USER_SUBDIRS) or filename in _USER_FILES)
-    return filename.startswith(_TORCH_DIR) or filename.startswith("<frozen") or "contextlib.py" in filename
+    return (
+        filename.startswith(_TORCH_DIR)
+        or filename.startswith("<frozen")
+        or "contextlib.py" in filename
+        or filename in hooks.internal_files  # a framework's plumbing (hooks.register_internal_files)
+    )
 
 
 def relative(filename: str) -> str:
@@ -43,6 +48,7 @@ def relative(filename: str) -> str:
 
 
 _INTERNAL: dict[types.CodeType, bool] = {}
+hooks.internal_files_changed.append(_INTERNAL.clear)
 
 
 class Origin:

@@ -68,7 +68,7 @@ import types
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
@@ -85,6 +85,7 @@ except ImportError as _e:  # pragma: no cover - depends on the environment
     ) from _e
 
 from .errors import AmbiguousOrderError, UpdateError
+from .options import StepOptionsDict, make_options
 from .parameter import Parameter
 from .rules.constraints import constrain as _pu_constrain
 from .rules.weight_decay import weight_decay as _pu_weight_decay
@@ -725,13 +726,7 @@ def constrain(params: Any, constraint: Any) -> Any:
     return _pu_constrain(named, constraint)
 
 
-def optimizer(
-    opts: str | type | dict[str, Any] = "adam",
-    *,
-    on_nonfinite: str = "raise",
-    check_finite: bool = True,
-    atomic: bool = True,
-) -> dict[str, Any]:
+def optimizer(opts: str | type | dict[str, Any] = "adam", **options: Unpack[StepOptionsDict]) -> dict[str, Any]:
     """The value of a RETURNN config's ``optimizer``: RETURNN's Engine with paramupdates, config only.
 
     ``opts`` is what ``optimizer`` would be without the bridge (a dict with
@@ -744,8 +739,8 @@ def optimizer(
     the ones before, rule 1) and declared rules run once per real update.
     Set ``epoch_end = paramupdates.returnn.epoch_end`` too: it commits what
     no ``optimizer.step()`` followed (the micro-batches of an incomplete
-    accumulation), before RETURNN saves the model. ``on_nonfinite``,
-    ``check_finite``, ``atomic``: as for ``pu.attach``.
+    accumulation), before RETURNN saves the model. ``**options`` (``on_nonfinite``,
+    ``check_finite``, ``copy_for_rollback``, ...): as for ``pu.attach``.
 
     The returned dict sets ``param_groups_custom`` (RETURNN hands it the
     model); a ``param_groups_custom`` in ``opts`` is called from it, else
@@ -755,7 +750,8 @@ def optimizer(
     ``torch_optimizer_step`` and ``torch_cuda_graph`` (a replayed, captured
     optimizer step runs no step hooks; a captured forward issues no updates).
     """
-    return _engine_optimizer_opts(opts, {"on_nonfinite": on_nonfinite, "check_finite": check_finite, "atomic": atomic})
+    make_options(dict(options), "paramupdates.returnn.optimizer")  # refuse a bad option now
+    return _engine_optimizer_opts(opts, dict(options))
 
 
 def attachment(obj: Any) -> Attachment | None:

@@ -20,6 +20,10 @@ sync backend           ``sync=`` updates: validation at the call,       ``integr
                        the all-reduce at commit (distributed sync, rule 9)
 tracing support        while ``torch.compile`` traces: the call site,   ``integrations.compile``
                        trace-time constants
+sharding support       DTensor targets (FSDP2): engines refused at       ``integrations.fsdp``
+                       attach and at declaration, the first update of a
+                       target, the non-finite agreement of a sharded
+                       model, lost rules, the EMA copy
 =====================  ==============================================  =============================
 
 A hook runs on the hot path of every update: keep it cheap when it has
@@ -194,3 +198,19 @@ def register_tracing_support(support: TracingSupport) -> RemovableHandle:
 def tracing() -> TracingSupport | None:
     """The registered tracing support (the last registered), if any."""
     return _last(_tracing)
+
+
+# --- sharding support (FSDP2's DTensor parameters) ----------------------------------------------------
+_sharding: OrderedDict[int, Any] = OrderedDict()
+
+
+def register_sharding_support(support: Any) -> RemovableHandle:
+    """Set what the core asks about sharded models (a ``sharding.ShardingHooks``; the last registered wins)."""
+    handle = RemovableHandle(_sharding)
+    _sharding[handle.id] = support
+    return handle
+
+
+def sharding_support() -> Any:
+    """The registered sharding support (a ``sharding.ShardingHooks``), if any."""
+    return _last(_sharding)

@@ -73,7 +73,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .. import hooks
+from .. import hooks, sharding
 from ..errors import UpdateError
 from ..ops import apply_inplace, apply_op
 
@@ -145,6 +145,10 @@ def check_sync(journal: Journal, e: Entry, sync: str | None, phase: str, fn: str
     where_ = f"{fn} on {e.name!r} at {origin}"
     if sync is not None:
         _check_kind(where_, sync, e.target.dtype)
+        if e.sharded:  # a DTensor: only over the mesh dims that replicate it (HSDP)
+            from .fsdp import check_sync_target
+
+            check_sync_target(e.target, where_, sync)
         if e.trainable:
             raise UpdateError(
                 f"{where_}: sync={sync!r} on a trainable parameter is not supported "
@@ -254,6 +258,22 @@ def apply_eager(
     Without a process group it is the plain eager update.
     """
     _check_kind(f"pu.{op} on {name!r} at {origin}", sync, target.dtype)
+    if sharding.is_sharded(target):  # a DTensor: reduced among the replicas of each shard (HSDP), or refused
+        from ..rules._sharded import like
+        from .fsdp import check_sync_target, sync_dtensor
+
+        check_sync_target(target, f"pu.{op} on {name!r} at {origin}", sync)
+        with torch.no_grad():
+            new = like(target, apply_op(op, target.detach(), operand, key, cond))
+            try:
+                new = sync_dtensor(new, sync)
+            except RuntimeError as err:
+                raise UpdateError(
+                    f"pu.{op} on {name!r} at {origin} (sync={sync!r}, outside a step): "
+                    f"{_incomplete(err, None, 'this update')} Nothing was written on this rank."
+                ) from err
+            sharding.local(target).copy_(sharding.local(new))
+        return
     if not is_distributed():
         apply_inplace(op, target, operand, key, cond)
         return
@@ -290,6 +310,18 @@ def sync_entries(commit: Commit, entries: Sequence[Entry], local_nonfinite: bool
     timeout = commit.options.sync_timeout
     if not is_distributed(group):
         return 0
+    sharded = [e for e in entries if e.sharded]
+    if sharded:  # DTensors (HSDP): each reduced among the replicas of its shard, not in the buckets
+        from .fsdp import sync_dtensor
+
+        for e in sharded:
+            try:
+                e.value = sync_dtensor(e.value, e.sync, timeout)
+            except RuntimeError as err:
+                raise _fail(commit, [e], _incomplete(err, timeout, "this commit"), group) from err
+        entries = [e for e in entries if not e.sharded]
+        if not entries:
+            return 0
     world = dist.get_world_size(group)
     groups: dict[tuple[torch.device, torch.dtype], list[Entry]] = {}
     for e in entries:

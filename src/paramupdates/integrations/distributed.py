@@ -146,8 +146,6 @@ def check_sync(journal: Journal, e: Entry, sync: str | None, phase: str, fn: str
     if sync is not None:
         _check_kind(where_, sync, e.target.dtype)
         if e.sharded:  # a DTensor: only over the mesh dims that replicate it (HSDP)
-            from .fsdp import check_sync_target
-
             check_sync_target(e.target, where_, sync)
         if e.trainable:
             raise UpdateError(
@@ -260,7 +258,6 @@ def apply_eager(
     _check_kind(f"pu.{op} on {name!r} at {origin}", sync, target.dtype)
     if sharding.is_sharded(target):  # a DTensor: reduced among the replicas of each shard (HSDP), or refused
         from ..rules._sharded import like
-        from .fsdp import check_sync_target, sync_dtensor
 
         check_sync_target(target, f"pu.{op} on {name!r} at {origin}", sync)
         with torch.no_grad():
@@ -312,8 +309,6 @@ def sync_entries(commit: Commit, entries: Sequence[Entry], local_nonfinite: bool
         return 0
     sharded = [e for e in entries if e.sharded]
     if sharded:  # DTensors (HSDP): each reduced among the replicas of its shard, not in the buckets
-        from .fsdp import sync_dtensor
-
         for e in sharded:
             try:
                 e.value = sync_dtensor(e.value, e.sync, timeout)
@@ -370,6 +365,44 @@ def sync_entries(commit: Commit, entries: Sequence[Entry], local_nonfinite: bool
             v = part.view(e.value.shape)
             e.value = v if v.dtype == e.value.dtype else v.to(e.value.dtype)
     return nbad
+
+
+# ----------------------------------------------------------------------------
+# sync= on DTensors (rule 9 with sharding)
+# ----------------------------------------------------------------------------
+def replicate_dims(t: Any) -> list[int]:
+    """The mesh dims over which ``t`` is replicated (HSDP's replicate dim)."""
+    return [i for i, p in enumerate(t.placements) if p.is_replicate()]
+
+
+def check_sync_target(t: Any, where_: str, sync: str) -> None:
+    """``sync=`` on a DTensor: refused unless some mesh dim replicates it."""
+    if not replicate_dims(t):
+        raise UpdateError(
+            f"{where_}: sync={sync!r} on a sharded target (placements {tuple(t.placements)}): each rank holds a "
+            "different Shard of it, so a mean over ranks would mix different rows. FSDP already averages the "
+            "gradients; to average a statistic across ranks keep it in a buffer (FSDP does not shard buffers) "
+            "and sync that. (Over HSDP's Replicate mesh dims a sharded target can be synced.)"
+        )
+
+
+def sync_dtensor(value: Any, sync: str, timeout: float | None = None) -> Any:
+    """``value`` (a DTensor) with its local shard summed (``"sum"``) or averaged (``"mean"``) over the
+    mesh dims that replicate it: the replicas of one shard agree, shards stay apart."""
+    from torch.distributed.tensor import DTensor
+
+    loc = sharding.local(value).detach()
+    flat = loc.reshape(-1).to(_acc_dtype(loc.dtype), copy=True)
+    count = 1
+    for md in replicate_dims(value):
+        _all_reduce([flat], value.device_mesh.get_group(md), timeout)
+        count *= value.device_mesh.size(md)
+    if sync == "mean":
+        _divide(flat, count)
+    out = flat.view(loc.shape).to(loc.dtype)
+    return DTensor.from_local(
+        out, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
+    )
 
 
 class DistributedSync:

@@ -296,46 +296,6 @@ def mesh_group(mesh: Any) -> Any:
 
 
 # ----------------------------------------------------------------------------
-# sync= on DTensors (rule 9 with sharding)
-# ----------------------------------------------------------------------------
-def replicate_dims(t: Any) -> list[int]:
-    """The mesh dims over which ``t`` is replicated (HSDP's replicate dim)."""
-    return [i for i, p in enumerate(t.placements) if p.is_replicate()]
-
-
-def check_sync_target(t: Any, where_: str, sync: str) -> None:
-    """``sync=`` on a DTensor: refused unless some mesh dim replicates it."""
-    if not replicate_dims(t):
-        raise UpdateError(
-            f"{where_}: sync={sync!r} on a sharded target (placements {tuple(t.placements)}): each rank holds a "
-            "different Shard of it, so a mean over ranks would mix different rows. FSDP already averages the "
-            "gradients; to average a statistic across ranks keep it in a buffer (FSDP does not shard buffers) "
-            "and sync that. (Over HSDP's Replicate mesh dims a sharded target can be synced.)"
-        )
-
-
-def sync_dtensor(value: Any, sync: str, timeout: float | None = None) -> Any:
-    """``value`` (a DTensor) with its local shard summed (``"sum"``) or averaged (``"mean"``) over the
-    mesh dims that replicate it: the replicas of one shard agree, shards stay apart."""
-    from torch.distributed.tensor import DTensor
-
-    from .distributed import _acc_dtype, _all_reduce, _divide
-
-    loc = sharding.local(value).detach()
-    flat = loc.reshape(-1).to(_acc_dtype(loc.dtype), copy=True)
-    count = 1
-    for md in replicate_dims(value):
-        _all_reduce([flat], value.device_mesh.get_group(md), timeout)
-        count *= value.device_mesh.size(md)
-    if sync == "mean":
-        _divide(flat, count)
-    out = flat.view(loc.shape).to(loc.dtype)
-    return DTensor.from_local(
-        out, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
-    )
-
-
-# ----------------------------------------------------------------------------
 # pu.ema of a sharded model: a copy sharded the same way
 # ----------------------------------------------------------------------------
 _INTERNAL = frozenset(nn.Module().__dict__) | {

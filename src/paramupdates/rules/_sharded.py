@@ -64,10 +64,8 @@ def split_norms(
     constraint: Constraint, ts: list[torch.Tensor], index: ModelIndex, origin: str
 ) -> tuple[list[int], list[int]]:
     """Positions of ``ts`` constrained on their local shards, and those whose norms need an all-reduce."""
-    from .constraints import _Norm
-
-    if not isinstance(constraint, _Norm):
-        return list(range(len(ts))), []  # elementwise: local shards
+    if not hasattr(constraint, "factor"):  # not a norm constraint (constraints._Norm): elementwise, local
+        return list(range(len(ts))), []
     local_idx, reduce_idx = [], []
     for i, t in enumerate(ts):
         if sharding.is_sharded(t) and _mesh_dims(t, constraint.dim, index, origin):

@@ -109,6 +109,7 @@ def cfg(**kw):
         "skip": (),
         "on_module": False,
         "updates": False,
+        "copies": False,
     }
     base.update(kw)
     return base
@@ -116,6 +117,8 @@ def cfg(**kw):
 
 CONFIGS = {
     "default_attach": cfg(convert="before"),
+    # the opt-in rollback copies (of local shards) on every commit
+    "copies_attach": cfg(convert="before", wd=True, constraint=("max_norm", 1), ema=True, copies=True),
     "default_step": cfg(driver="step", convert="before"),
     # updates of sharded parameters issued after backward: before_grad, after_grad (folded over the
     # optimizer's result), a plain whole-shape operand (each rank keeps its chunk; rank 1's is empty)
@@ -225,7 +228,7 @@ def train(rank: int, world: int, name: str) -> dict:
     if c["declare"] == "after":
         avg = declare(model, c)
     opt = torch.optim.Adam(model.parameters(), lr=LR)
-    att = pu.attach(model, opt) if c["driver"] == "attach" else None
+    att = pu.attach(model, opt, copy_for_rollback=c["copies"]) if c["driver"] == "attach" else None
     out: dict = {}
     for s in range(STEPS + len(c["skip"])):
         x, y = batch(s, rank)
@@ -233,7 +236,7 @@ def train(rank: int, world: int, name: str) -> dict:
             loss_of(model(x), y).backward()
             opt.step()
         else:
-            with pu.step(model, opt):
+            with pu.step(model, opt, copy_for_rollback=c["copies"]):
                 loss_of(model(x), y).backward()
                 if c["updates"]:
                     issue_updates(model)
@@ -263,10 +266,11 @@ def fault_run(rank: int, world: int, name: str) -> dict:
             raise ValueError("constraint failed on purpose")
         return w
 
-    if name == "raising_constraint":
+    if name.startswith("raising_constraint"):
         pu.constrain(model[2].weight, sometimes_raises)
     how = "skip" if name == "nan_skip" else "raise"
-    stepper = pu.Stepper(model, opt, on_nonfinite=how)
+    # a failure after the optimizer's step is undone only with the opt-in copies
+    stepper = pu.Stepper(model, opt, on_nonfinite=how, copy_for_rollback=name == "raising_constraint")
     out = {"errors": [], "unchanged": None}
     for s in range(STEPS + 1):
         x, y = batch(s, rank)
@@ -275,7 +279,7 @@ def fault_run(rank: int, world: int, name: str) -> dict:
         try:
             with stepper:
                 loss_of(model(x), y).backward()
-                if s == 1 and name != "raising_constraint":
+                if s == 1 and not name.startswith("raising_constraint"):
                     w = model[2].weight
                     bad = w.detach() * 1.0
                     if rank == 1:
@@ -329,10 +333,10 @@ def comm_counts(rank: int, world: int) -> dict:
 
 def run_training(rank: int, world: int) -> dict:
     out = {}
-    for name in CONFIGS:
+    for name in [*CONFIGS, "raising_constraint_default"]:
         clean()
         try:
-            if name in ("raising_constraint", "nan_skip", "nan_raise"):
+            if name in ("raising_constraint", "raising_constraint_default", "nan_skip", "nan_raise"):
                 out[name] = fault_run(rank, world, name)
             else:
                 out[name] = train(rank, world, name)
@@ -635,9 +639,10 @@ def check_against_reference(results, name) -> list[dict]:
 
 
 # --- training scenarios --------------------------------------------------------
-@pytest.mark.parametrize("name", ["default_attach", "default_step", "plain_bn", "updates"])
+@pytest.mark.parametrize("name", ["default_attach", "default_step", "plain_bn", "updates", "copies_attach"])
 def test_default_settings_train_like_one_process(training, name):
-    """pu.attach / pu.step with default settings (rollback copies on): 3 Adam steps, uneven and empty shards."""
+    """pu.attach / pu.step with default settings, and with the opt-in rollback copies (copies_attach):
+    3 Adam steps, uneven and empty shards."""
     check_against_reference(training, name)
 
 
@@ -674,12 +679,21 @@ def test_convert_sync_stats_around_sharding(training, when):
     assert same(r0["buffers"], r1["buffers"])
 
 
-def test_raising_constraint_rolls_back_every_shard(training):
+def test_raising_constraint_with_copies_rolls_back_every_shard(training):
     outs = check_against_reference(training, "raising_constraint")
     for o in outs:
         assert len(o["errors"]) == 1 and "constraint failed on purpose" in o["errors"][0], o["errors"]
         assert "2.weight" in o["errors"][0]
         assert o["unchanged"], "a failed commit must leave every shard, buffer and optimizer state bitwise as before"
+
+
+def test_raising_constraint_without_copies_raises_on_every_rank_and_training_goes_on(training):
+    """The default (no copies): the optimizer's step stays, as in plain PyTorch; every rank raises the
+    constraint's error (each runs it on the same DTensor), and the next steps commit on every rank."""
+    for o in ranks(training, "raising_constraint_default"):
+        assert len(o["errors"]) == 1 and "constraint failed on purpose" in o["errors"][0], o["errors"]
+    r0, r1 = ranks(training, "raising_constraint_default")
+    close(r0["params"], r1["params"], "after the failed step, the ranks")
 
 
 def test_nan_on_one_shard_skips_on_every_rank(training):

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
-from . import context, hooks, overlay
+from . import context, hooks, overlay, sharding
 from .errors import UpdateError
 from .ops import apply_op
 from .phases import AFTER_OPTIMIZER, BEFORE_GRAD, GRAD, PHASES
@@ -152,6 +152,7 @@ class Commit:
         opts = self.options
         synced = j.synced
         remote_bad = 0
+        agreed = False  # every rank of the group learnt how many ranks have non-finite pending values
         if synced:
             backend = hooks.sync_backend(self.label)
             backend.check_rules(self, synced)
@@ -163,6 +164,16 @@ class Commit:
                     ok = _finite_flag([e for e in j.entries.values() if e.sync is None])
                     local_bad = ok is not None and not bool(ok)
                 remote_bad = backend.reduce(self, synced, local_bad)
+                agreed = opts.process_group is None and any(not e.sharded for e in synced)
+        support = hooks.sharding_support()
+        if support is not None and j.entries and support.model_sharded(j.index):
+            # sharding hook: the ranks of a sharded model hold one model between them, so they skip or
+            # raise together (one small all-reduce, unless the sync above carried it), and no write may
+            # go into a parameter whose memory FSDP has freed.
+            self._guard_storage()
+            if opts.check_finite and not agreed:
+                ok = _finite_flag(j.entries.values())
+                remote_bad = support.agree_nonfinite(self, ok is not None and not bool(ok))
         if opts.check_finite:
             bad = _nonfinite(j.entries.values())
             if bad or remote_bad:
@@ -183,6 +194,21 @@ class Commit:
                     "Fix the value, or pass on_nonfinite='skip' to drop such steps (they are counted)."
                 )
         return True
+
+    def _guard_storage(self) -> None:
+        """Refuse the commit (before any write) if a target's memory does not cover it: FSDP frees its
+        unsharded parameters by resizing their storage to 0 bytes, and a write there would be a write
+        into freed memory."""
+        for e in self.journal.entries.values():
+            if not sharding.storage_ok(e.target):
+                self._end("aborted")
+                raise UpdateError(
+                    f"{self.label}: {e.name!r} (last update at {e.records[-1].origin}) has no memory behind it "
+                    f"any more (its storage holds {sharding.local(e.target).untyped_storage().nbytes()} bytes): it "
+                    "is a temporary parameter that its owner freed, e.g. FSDP's unsharded parameter after "
+                    "forward/backward. Update the sharded parameter from outside forward (phase='before_grad' or "
+                    "'after_grad'), or keep such state in a buffer. Nothing was written."
+                )
 
     def before_optimizer(self) -> None:
         """Check every declared rule (before any write), then apply phase ``before_grad``."""
@@ -372,7 +398,7 @@ class Commit:
                 len(e.phases) == 1 and not (dirty and id(e) in dirty) and not (later and e.trainable)
             ):
                 fast_dst.append(e.raw if e.raw is not None else _raw(e))
-                fast_src.append(e.value)  # type: ignore[arg-type]
+                fast_src.append(sharding.local(e.value) if e.sharded else e.value)  # type: ignore[arg-type]
             else:
                 slow.append(e)
         if rb.enabled:
@@ -387,11 +413,11 @@ class Commit:
                         torch._foreach_copy_(dst, src)
             for e in slow:
                 raw = _raw(e)
-                val: torch.Tensor = raw
+                val: torch.Tensor = e.target.detach() if e.sharded else raw  # a DTensor folds as one
                 for r in e.records:
                     if r.phase == phase:
                         val = apply_op(r.op, val, r.operand, r.key, r.cond)
-                raw.copy_(val)
+                raw.copy_(sharding.local(val) if e.sharded else val)  # shard onto shard (placed alike)
         dirty.update(map(id, in_phase))  # (ids of entries, not targets: see _flush_dirty)
         j.done_phases.add(phase)
         self._applied.append(f"the {phase} updates")
@@ -413,7 +439,10 @@ def _raw(e: Entry) -> torch.Tensor:
     """``e``'s target as a plain tensor to write into (made once per entry)."""
     raw = e.raw
     if raw is None:
-        raw = e.raw = e.target if type(e.target) in _PLAIN else overlay.plain(e.target).detach()
+        if e.sharded:  # a DTensor is written through its local shard (sharding hook)
+            raw = e.raw = sharding.local(e.target)
+        else:
+            raw = e.raw = e.target if type(e.target) in _PLAIN else overlay.plain(e.target).detach()
     return raw
 
 
@@ -432,7 +461,12 @@ def _finite_flag(entries: Any) -> torch.Tensor | None:
         return None
     flags = []
     with torch.no_grad():
-        for (_dev, dt), ([ts], _) in _group_tensors_by_device_and_dtype([values]).items():
+        vals = sharding.locals_of(values)
+        if not all(map(torch.Tensor.numel, vals)):
+            # an empty tensor (an empty local shard: a rank past the last chunk of an uneven Shard) has
+            # nothing to check, and _foreach_norm(inf) refuses it
+            vals = [v for v in vals if v.numel()]
+        for (_dev, dt), ([ts], _) in _group_tensors_by_device_and_dtype([vals]).items() if vals else ():
             if dt.is_floating_point or dt.is_complex:
                 flags.append(torch.stack(torch._foreach_norm(ts, math.inf)).isfinite().all().cpu())
     if not flags:
@@ -451,5 +485,5 @@ def _nonfinite(entries: Any) -> list[Entry]:
         for e in entries
         if e.value is not None
         and (e.value.is_floating_point() or e.value.is_complex())
-        and not bool(e.value.isfinite().all())
+        and not bool(sharding.local(e.value).isfinite().all())
     ]

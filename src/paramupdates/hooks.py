@@ -22,6 +22,10 @@ tracing support        while ``torch.compile`` traces: the call site,   ``integr
                        trace-time constants
 internal files         finding an update's call site: frames of these   ``paramupdates.returnn``
                        files are skipped (a framework's plumbing)       (``rf.Parameter.assign``)
+sharding support       DTensor targets (FSDP2): engines refused at       ``integrations.fsdp``
+                       attach and at declaration, the first update of a
+                       target, the non-finite agreement of a sharded
+                       model, lost rules, the EMA copy
 =====================  ==============================================  =============================
 
 A hook runs on the hot path of every update: keep it cheap when it has
@@ -227,3 +231,19 @@ def _update_internal_files() -> None:
     internal_files.update(*_internal_files.values())
     for fn in internal_files_changed:
         fn()
+
+
+# --- sharding support (FSDP2's DTensor parameters) ----------------------------------------------------
+_sharding: OrderedDict[int, Any] = OrderedDict()
+
+
+def register_sharding_support(support: Any) -> RemovableHandle:
+    """Set what the core asks about sharded models (a ``sharding.ShardingHooks``; the last registered wins)."""
+    handle = RemovableHandle(_sharding)
+    _sharding[handle.id] = support
+    return handle
+
+
+def sharding_support() -> Any:
+    """The registered sharding support (a ``sharding.ShardingHooks``), if any."""
+    return _last(_sharding)

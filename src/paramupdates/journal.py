@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from . import context, hooks, overlay
+from . import context, hooks, overlay, sharding
 from .errors import AmbiguousOrderError, UpdateError
 from .ops import apply_op, check_operand
 from .origin import Origin
@@ -63,6 +63,7 @@ class Entry:
     raw: torch.Tensor | None = None  # the target as a plain tensor, for the commit's writes
     generation: int = -1  # the model index's generation it was made in
     journal: Any = None  # the journal using it now (None: free to be reused by the next step)
+    sharded: bool = False  # the target is a DTensor (FSDP2): written through its local shard
 
     def current(self) -> torch.Tensor:
         return self.target if self.value is None else self.value
@@ -148,6 +149,7 @@ class Journal:
             shows,
             None if owner is None else owner._buffers,
             info.attr,
+            sharded=sharding.is_sharded(t),
         )
         self.entries[id(t)] = e
         return e
@@ -224,6 +226,9 @@ class Journal:
             )
         if replay is None and not compiling and context.eager_log is None and hooks.segment_probes:
             hooks.adopt_segment()  # inside a torch.utils.checkpoint segment: note its entry values (replay, rule 3)
+        support = None if compiling else hooks.sharding_support()
+        if support is not None and not e.records:
+            support.check_update(self, e, f"pu.{op}", origin)  # sharding hook: FSDP's temporary parameters
         cond = context.conditions[-1]
         pred = cond if isinstance(cond, torch.Tensor) else None
         if new is not None:
@@ -232,6 +237,8 @@ class Journal:
         else:
             if not fresh:
                 check_operand(op, e.target, operand, key, e.name, origin)
+                if e.sharded and support is not None:
+                    operand = support.operand(e, operand, f"pu.{op}", origin)  # sharding hook: laid out like e
                 if isinstance(operand, torch.Tensor):
                     operand = self.read(operand, compiling)
                     if not e.trainable:
@@ -239,6 +246,8 @@ class Journal:
             new = apply_op(op, overlay.plain(self.current_of(e)), operand, key, pred, fresh)
             if not e.trainable:
                 new = new.detach()
+        if e.sharded and support is not None:
+            new = support.conform(e, new)  # sharding hook: the pending value's local shard is the target's
         if replay is not None:
             replay.set_value(self, e, new)  # issued again by a recomputation: only its view moves
             return

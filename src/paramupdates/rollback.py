@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
+from . import sharding
+
 _data_ptr = torch._C.TensorBase.data_ptr
 _size = torch._C.TensorBase.size
 
@@ -167,6 +169,7 @@ class Rollback:
         if not fresh:
             return
         seen.update(map(id, fresh))
+        fresh = sharding.locals_of(fresh)  # sharding hook: a DTensor is copied (and restored) through its local shard
         pool = self.pool if self.pool is not None and self.pool.claim(self.owner) else None
         with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
             self._snapshots.extend(copies_of(pool, fresh))

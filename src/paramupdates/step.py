@@ -29,7 +29,7 @@ from typing import Any, Unpack
 import torch
 from torch import nn
 
-from . import context
+from . import context, hooks
 from .commit import Commit
 from .errors import UpdateError
 from .journal import Entry, Journal
@@ -67,6 +67,9 @@ class _Owner:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, options: StepOptions) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
+        support = hooks.sharding_support()  # sharding hook: refuse engines whose parameters pu cannot update
+        if support is not None:
+            support.check_model(model, optimizer, type(self).__name__)
         self.model = model
         self.optimizer = optimizer
         self.options = options

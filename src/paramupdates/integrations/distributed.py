@@ -73,7 +73,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .. import hooks
+from .. import hooks, sharding
 from ..errors import UpdateError
 from ..ops import apply_inplace, apply_op
 
@@ -145,6 +145,8 @@ def check_sync(journal: Journal, e: Entry, sync: str | None, phase: str, fn: str
     where_ = f"{fn} on {e.name!r} at {origin}"
     if sync is not None:
         _check_kind(where_, sync, e.target.dtype)
+        if e.sharded:  # a DTensor: only over the mesh dims that replicate it (HSDP)
+            check_sync_target(e.target, where_, sync)
         if e.trainable:
             raise UpdateError(
                 f"{where_}: sync={sync!r} on a trainable parameter is not supported "
@@ -217,7 +219,7 @@ def layout_fingerprint(plan: Sequence[tuple[Any, Sequence[Entry]]], seq: int | N
     return [(crc >> (b * i)) % (1 << b) for i in range(_CHUNKS)]
 
 
-def _all_reduce(flats: Sequence[torch.Tensor], group: Any, timeout: float | None) -> None:
+def all_reduce_sum(flats: Sequence[torch.Tensor], group: Any, timeout: float | None) -> None:
     """``all_reduce(SUM)`` of each tensor, launched together, waited for within ``timeout`` seconds in all."""
     deadline = None if timeout is None else time.monotonic() + timeout
     works = [dist.all_reduce(f, op=dist.ReduceOp.SUM, group=group, async_op=True) for f in flats]
@@ -228,7 +230,7 @@ def _all_reduce(flats: Sequence[torch.Tensor], group: Any, timeout: float | None
             w.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
 
 
-def _incomplete(err: RuntimeError, timeout: float | None, where_: str) -> str:
+def incomplete_message(err: RuntimeError, timeout: float | None, where_: str) -> str:
     limit = "" if timeout is None else f" (sync_timeout={timeout:g} s)"
     return (
         f"did not complete{limit}: {str(err).rstrip('.!')}. Another rank did not reach {where_} "
@@ -254,6 +256,21 @@ def apply_eager(
     Without a process group it is the plain eager update.
     """
     _check_kind(f"pu.{op} on {name!r} at {origin}", sync, target.dtype)
+    if sharding.is_sharded(target):  # a DTensor: reduced among the replicas of each shard (HSDP), or refused
+        from ..rules._sharded import like
+
+        check_sync_target(target, f"pu.{op} on {name!r} at {origin}", sync)
+        with torch.no_grad():
+            new = like(target, apply_op(op, target.detach(), operand, key, cond))
+            try:
+                new = sync_dtensor(new, sync)
+            except RuntimeError as err:
+                raise UpdateError(
+                    f"pu.{op} on {name!r} at {origin} (sync={sync!r}, outside a step): "
+                    f"{incomplete_message(err, None, 'this update')} Nothing was written on this rank."
+                ) from err
+            sharding.local(target).copy_(sharding.local(new))
+        return
     if not is_distributed():
         apply_inplace(op, target, operand, key, cond)
         return
@@ -261,11 +278,11 @@ def apply_eager(
         raw = target.detach()
         flat = apply_op(op, raw, operand, key, cond).reshape(-1).to(_acc_dtype(raw.dtype), copy=True)
         try:
-            _all_reduce([flat], None, None)
+            all_reduce_sum([flat], None, None)
         except RuntimeError as err:
             raise UpdateError(
                 f"pu.{op} on {name!r} at {origin} (sync={sync!r}, outside a step): "
-                f"{_incomplete(err, None, 'this update')} Nothing was written on this rank."
+                f"{incomplete_message(err, None, 'this update')} Nothing was written on this rank."
             ) from err
         if sync == "mean":
             _divide(flat, dist.get_world_size())
@@ -290,6 +307,16 @@ def sync_entries(commit: Commit, entries: Sequence[Entry], local_nonfinite: bool
     timeout = commit.options.sync_timeout
     if not is_distributed(group):
         return 0
+    sharded = [e for e in entries if e.sharded]
+    if sharded:  # DTensors (HSDP): each reduced among the replicas of its shard, not in the buckets
+        for e in sharded:
+            try:
+                e.value = sync_dtensor(e.value, e.sync, timeout)
+            except RuntimeError as err:
+                raise _fail(commit, [e], incomplete_message(err, timeout, "this commit"), group) from err
+        entries = [e for e in entries if not e.sharded]
+        if not entries:
+            return 0
     world = dist.get_world_size(group)
     groups: dict[tuple[torch.device, torch.dtype], list[Entry]] = {}
     for e in entries:
@@ -313,9 +340,9 @@ def sync_entries(commit: Commit, entries: Sequence[Entry], local_nonfinite: bool
         flat = torch.cat(parts)
         flats.append(flat if flat.dtype == acc else flat.to(acc))
     try:
-        _all_reduce(flats, group, timeout)
+        all_reduce_sum(flats, group, timeout)
     except RuntimeError as err:
-        raise _fail(commit, entries, _incomplete(err, timeout, "this commit"), group) from err
+        raise _fail(commit, entries, incomplete_message(err, timeout, "this commit"), group) from err
     head = [int(h.real) if isinstance(h, complex) else int(h) for h in flats[0][:_HEADER].tolist()]
     nbad, sx, sxx = head[0], head[1 : 1 + _CHUNKS], head[1 + _CHUNKS :]
     # every rank sent the same x_i exactly when R * sum(x_i**2) == sum(x_i)**2 (Cauchy-Schwarz)
@@ -338,6 +365,44 @@ def sync_entries(commit: Commit, entries: Sequence[Entry], local_nonfinite: bool
             v = part.view(e.value.shape)
             e.value = v if v.dtype == e.value.dtype else v.to(e.value.dtype)
     return nbad
+
+
+# ----------------------------------------------------------------------------
+# sync= on DTensors (rule 9 with sharding)
+# ----------------------------------------------------------------------------
+def replicate_dims(t: Any) -> list[int]:
+    """The mesh dims over which ``t`` is replicated (HSDP's replicate dim)."""
+    return [i for i, p in enumerate(t.placements) if p.is_replicate()]
+
+
+def check_sync_target(t: Any, where_: str, sync: str) -> None:
+    """``sync=`` on a DTensor: refused unless some mesh dim replicates it."""
+    if not replicate_dims(t):
+        raise UpdateError(
+            f"{where_}: sync={sync!r} on a sharded target (placements {tuple(t.placements)}): each rank holds a "
+            "different Shard of it, so a mean over ranks would mix different rows. FSDP already averages the "
+            "gradients; to average a statistic across ranks keep it in a buffer (FSDP does not shard buffers) "
+            "and sync that. (Over HSDP's Replicate mesh dims a sharded target can be synced.)"
+        )
+
+
+def sync_dtensor(value: Any, sync: str, timeout: float | None = None) -> Any:
+    """``value`` (a DTensor) with its local shard summed (``"sum"``) or averaged (``"mean"``) over the
+    mesh dims that replicate it: the replicas of one shard agree, shards stay apart."""
+    from torch.distributed.tensor import DTensor
+
+    loc = sharding.local(value).detach()
+    flat = loc.reshape(-1).to(_acc_dtype(loc.dtype), copy=True)
+    count = 1
+    for md in replicate_dims(value):
+        all_reduce_sum([flat], value.device_mesh.get_group(md), timeout)
+        count *= value.device_mesh.size(md)
+    if sync == "mean":
+        _divide(flat, count)
+    out = flat.view(loc.shape).to(loc.dtype)
+    return DTensor.from_local(
+        out, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
+    )
 
 
 class DistributedSync:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .. import hooks
 from ..origin import call_site
 from ..schedule import ScheduleEntry
 from .common import has_subclass, storage_key
@@ -96,6 +97,10 @@ class Rule:
     def alive(self) -> bool:
         """False once what the rule belongs to is gone (it is then dropped)."""
         return True
+
+    def resync(self) -> None:
+        """Follow tensors that were replaced in their module slots (``fully_shard`` replaces every
+        parameter); run when ownership is recomputed, not per commit. Default: held by identity."""
 
     # --- commit ----------------------------------------------------------
     def check(self, ctx: CommitContext) -> None:
@@ -182,11 +187,17 @@ def rules_for(index: ModelIndex) -> list[Rule]:
     Cached per model until a rule is declared or removed or the model's tensors change.
     """
     dead = [r for r in _RULES if not r.alive()]
+    if dead:
+        support = hooks.sharding_support()  # sharding hook: rules whose parameters fully_shard replaced
+        if support is not None:
+            support.lost_rules(index, dead)
     for r in dead:
         unregister(r)
     hit = _APPLIES.get(index)
     if hit is not None and hit[0] == _version and hit[1] == index.generation:
         return hit[2]
+    for r in _RULES:
+        r.resync()
     out = [r for r in _RULES if index.owns_any(r.owner_tensors())]
     _APPLIES[index] = (_version, index.generation, out)
     return out

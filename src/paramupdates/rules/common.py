@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import context
+from .. import context, hooks, sharding
 from ..errors import UpdateError
 
 Named = list[tuple[str, torch.Tensor]]
@@ -73,17 +73,83 @@ def refuse_inside_step(fn: str, origin: str) -> None:
         )
 
 
-class WeakList:
-    """Tensors held weakly (a rule must not keep a model alive), in declaration order."""
+def check_declared(named: Named, root: Any, fn: str, origin: str) -> None:
+    """Refuse tensors no rule can be correct on (flat parameters of FSDP1 / DeepSpeed), at declaration."""
+    support = hooks.sharding_support()  # sharding hook
+    if support is not None:
+        support.check_declared(named, root, fn, origin)
 
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
+
+class WeakList:
+    """Tensors held weakly (a rule must not keep a model alive), in declaration order.
+
+    Declared on a module (``root``, with the tensors' qualified names), the
+    list follows the module's tensors by name: when a tensor dies because its
+    module slot now holds another one (``fully_shard`` replaces every
+    parameter by a sharded ``DTensor`` parameter), the rule takes the new one.
+    Tensors given without their module are held by identity only.
+    """
+
+    def __init__(
+        self, tensors: list[torch.Tensor], root: nn.Module | None = None, names: list[str] | None = None
+    ) -> None:
         self._refs = [weakref.ref(t) for t in tensors]
+        self._root = weakref.ref(root) if root is not None else None
+        self._names = names
+        self.meta = [(tuple(t.shape), t.dtype) for t in tensors]  # what a lost tensor was (for errors)
+
+    def current(self) -> list[torch.Tensor | None]:
+        """Each declared tensor (None where it died and could not be followed)."""
+        out = [r() for r in self._refs]
+        if self._root is not None and any(t is None for t in out):
+            self._follow(out)
+        return out
+
+    def _follow(self, out: list[torch.Tensor | None]) -> None:
+        root = self._root() if self._root is not None else None
+        if root is None or self._names is None:
+            return
+        for i, t in enumerate(out):
+            if t is None:
+                try:
+                    t = root.get_parameter(self._names[i])
+                except AttributeError:
+                    try:
+                        t = root.get_buffer(self._names[i])
+                    except AttributeError:
+                        continue
+                if t is not None:
+                    self._refs[i] = weakref.ref(t)
+                    out[i] = t
+
+    def resync(self) -> bool:
+        """Take the tensor now in each named slot of ``root`` where it is another object (or ours died);
+        True if any changed. One lookup per tensor: run when ownership is recomputed, not per commit."""
+        root = self._root() if self._root is not None else None
+        if root is None or self._names is None:
+            return False
+        changed = False
+        for i, name in enumerate(self._names):
+            try:
+                t = root.get_parameter(name)
+            except AttributeError:
+                try:
+                    t = root.get_buffer(name)
+                except AttributeError:
+                    continue
+            old = self._refs[i]()
+            if t is not None and t is not old:
+                if old is not None and sharding.is_sharded(old) and not sharding.is_sharded(t):
+                    continue  # inside FSDP's forward/backward: its temporary unsharded parameter, not a successor
+                self._refs[i] = weakref.ref(t)
+                changed = True
+        return changed
 
     def live(self) -> list[torch.Tensor]:
-        return [t for r in self._refs if (t := r()) is not None]
+        return [t for t in self.current() if t is not None]
 
     def alive(self) -> bool:
-        return any(r() is not None for r in self._refs)
+        return any(t is not None for t in self.current())
 
 
 _data_ptr = torch._C.TensorBase.data_ptr
@@ -92,8 +158,10 @@ _data_ptr = torch._C.TensorBase.data_ptr
 def storage_key(ts: list[torch.Tensor], sub: bool = True) -> tuple[int, ...]:
     """Identity of the storage behind each tensor: changes when ``.data`` is replaced (``model.to()``).
 
-    ``sub``: some tensor may be a ``pu.Parameter`` (then skip its ``__torch_function__``).
+    ``sub``: some tensor may be a ``pu.Parameter`` (then skip its ``__torch_function__``). A DTensor
+    is keyed by its local shard (the DTensor itself has no storage: its ``data_ptr()`` is 0).
     """
+    ts = sharding.locals_of(ts)
     with plain_if(sub):
         return tuple(map(_data_ptr, ts))
 

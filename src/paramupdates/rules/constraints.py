@@ -50,11 +50,22 @@ import torch
 from torch import nn
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
+from .. import sharding
 from ..errors import UpdateError
 from ..origin import call_site
 from ..phases import AFTER_GRAD
 from .base import Rule, register
-from .common import WeakList, has_subclass, named_tensors, no_subclass, plain_if, refuse_inside_step, storage_key, where
+from .common import (
+    WeakList,
+    check_declared,
+    has_subclass,
+    named_tensors,
+    no_subclass,
+    plain_if,
+    refuse_inside_step,
+    storage_key,
+    where,
+)
 
 if TYPE_CHECKING:
     from ..commit import CommitContext
@@ -367,7 +378,12 @@ class Constrain(Rule):
     per_optimizer_update = True
 
     def __init__(
-        self, named: list[tuple[str, torch.Tensor]], constraint: Constraint, origin: str, foreach: bool = True
+        self,
+        named: list[tuple[str, torch.Tensor]],
+        constraint: Constraint,
+        origin: str,
+        foreach: bool = True,
+        root: nn.Module | None = None,
     ) -> None:
         super().__init__(origin)
         self.constraint = constraint
@@ -376,14 +392,24 @@ class Constrain(Rule):
         self.kind = f"constrain:{constraint.name}"
         self.infallible = constraint.infallible
         self.names = [n for n, _ in named]
-        self._tensors = WeakList([t for _, t in named])
+        # declared on a module: follows its parameters by name (e.g. into fully_shard's DTensors)
+        self._tensors = WeakList([t for _, t in named], root, self.names if root is not None else None)
         self._key: tuple | None = None
         self._plan: Any = None
         self._live: list[torch.Tensor] = []
         self._sub = has_subclass([t for _, t in named])
+        # DTensors (FSDP2): positions constrained on their local shards (the foreach plan is over those
+        # shards), and positions whose norms reduce over a sharded dim (rules/_sharded.py)
+        self._sharded = False
+        self._local_idx: list[int] = []
+        self._reduce_idx: list[int] = []
 
     def owner_tensors(self) -> list[torch.Tensor]:
         return self._tensors.live()
+
+    def resync(self) -> None:
+        if self._tensors.resync():
+            self._key = None  # another tensor in a slot: plan again
 
     def tensors(self) -> list[torch.Tensor]:
         return self._live or self._tensors.live()  # during a commit: the tensors check() saw
@@ -399,7 +425,16 @@ class Constrain(Rule):
             with no_subclass():
                 for t, name in zip(ts, self.names):
                     self.constraint.validate(ctx.index.name_of(t) or name, t, self.origin)
-                self._plan = self.constraint.plan(ts) if self.foreach else None
+                self._sharded = sharding.any_sharded(ts) and not isinstance(self.constraint, CallableConstraint)
+                if self._sharded:
+                    from ._sharded import split_norms
+
+                    # which norms are local (kept dim sharded, or nothing sharded) is decided on the global
+                    # layout, the same on every rank, so every rank joins the same collectives
+                    self._local_idx, self._reduce_idx = split_norms(self.constraint, ts, ctx.index, self.origin)
+                    self._plan = self.constraint.plan(sharding.locals_of([ts[i] for i in self._local_idx]))
+                else:
+                    self._plan = self.constraint.plan(ts) if self.foreach else None
             self._key = key
         self._live = ts  # held for this commit only
 
@@ -416,6 +451,15 @@ class Constrain(Rule):
         return True
 
     def apply(self, ctx: CommitContext) -> None:
+        if self._sharded:  # DTensors: local shards, and one all-reduce for norms over sharded dims
+            from ._sharded import apply_norms
+
+            ts, self._live = self._live, []
+            if self._local_idx:
+                self.constraint.apply_(sharding.locals_of([ts[i] for i in self._local_idx]), self._plan)
+            if self._reduce_idx:
+                apply_norms(self.constraint, [ts[i] for i in self._reduce_idx])
+            return
         if not self.foreach:
             self._apply_reference(ctx)
             return
@@ -452,7 +496,13 @@ class Constrain(Rule):
                     )
                 news.append(new)
             for t, new in zip(ts, news):
-                if new is not t:
+                if new is t:
+                    continue
+                if sharding.is_sharded(t):  # the value laid out like t, then written shard onto shard
+                    from ._sharded import like
+
+                    sharding.local(t).copy_(sharding.local(like(t, new)))
+                else:
                     t.copy_(new)
 
 
@@ -487,8 +537,10 @@ def constrain(
     named = named_tensors(params, "pu.constrain")
     if not named:
         raise ValueError(f"pu.constrain at {origin}: no tensors given")
+    root = params if isinstance(params, nn.Module) else None
+    check_declared(named, root, "pu.constrain", origin)
     for name, t in named:
         constraint.validate(name, t, origin)
-    rule = Constrain(named, constraint, origin, foreach is not False)
+    rule = Constrain(named, constraint, origin, foreach is not False, root)
     register(rule)
     return rule

@@ -73,12 +73,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from .. import hooks, sharding
 from ..errors import UpdateError
 from ..origin import call_site
 from ..phases import AFTER_STEP
 from ..schedule import ScheduleEntry
 from .base import Rule, register
-from .common import has_subclass, no_subclass, plain_if, refuse_inside_step, storage_key, where
+from .common import check_declared, has_subclass, no_subclass, plain_if, refuse_inside_step, storage_key, where
 
 if TYPE_CHECKING:
     from ..commit import CommitContext
@@ -145,6 +146,25 @@ class EMA(Rule):
         self.decay = decay
         self.warmup = _PRESETS[warmup] if isinstance(warmup, str) else warmup
         self.include_buffers = include_buffers
+        self._pair(model, module)
+        dst = self._dst
+        # declared with dtype=/device=: the copy's floats stay in that dtype, the copy on that device
+        # (normalized: "cuda" -> "cuda:0"); otherwise the copy must be as the model is at each commit
+        self._dtype = dtype
+        self._device = next(iter(dst)).device if device is not None and dst else device
+        self._key: tuple | None = None
+        self._lerp: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+        self._mixed: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []  # dtypes differ: mul + add
+        self._copy: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+        self._moved: list[tuple[list[torch.Tensor], list[torch.Tensor], str]] = []  # devices differ
+        # t: a buffer of the copy (saved with it), mirrored on the host
+        counter_device = next(iter(dst), torch.empty(0, device=device)).device
+        module.register_buffer(COUNTER, torch.zeros((), dtype=torch.int64, device=counter_device))
+        self._t = 0
+        self._seen: tuple[torch.Tensor, int] = (module._buffers[COUNTER], module._buffers[COUNTER]._version)
+
+    def _pair(self, model: nn.Module, module: nn.Module) -> None:
+        """Pair each tensor of ``model`` with the tensor of the same name in the copy ``module``."""
         names: list[str] = []
         src: list[torch.Tensor] = []
         dst: list[torch.Tensor] = []
@@ -157,27 +177,52 @@ class EMA(Rule):
                 src.append(t)
                 dst.append(b[name])
                 floating = t.is_floating_point() or t.is_complex()
-                avg.append(floating and (kind == "parameters" or include_buffers))
+                avg.append(floating and (kind == "parameters" or self.include_buffers))
         self.names = names
         self._src = src  # strong: the rule ends with the model (alive()), not with its tensors
         self._dst = dst
         self._avg = avg
-        # declared with dtype=/device=: the copy's floats stay in that dtype, the copy on that device
-        # (normalized: "cuda" -> "cuda:0"); otherwise the copy must be as the model is at each commit
-        self._dtype = dtype
-        self._device = next(iter(dst)).device if device is not None and dst else device
         self._sub = has_subclass(src) or has_subclass(dst)
         self._pairs = src + dst  # what check() keys on
-        self._key: tuple | None = None
-        self._lerp: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
-        self._mixed: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []  # dtypes differ: mul + add
-        self._copy: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
-        self._moved: list[tuple[list[torch.Tensor], list[torch.Tensor], str]] = []  # devices differ
-        # t: a buffer of the copy (saved with it), mirrored on the host
-        counter_device = next(iter(dst), torch.empty(0, device=device)).device
-        module.register_buffer(COUNTER, torch.zeros((), dtype=torch.int64, device=counter_device))
-        self._t = 0
-        self._seen: tuple[torch.Tensor, int] = (module._buffers[COUNTER], module._buffers[COUNTER]._version)
+        self._first = _slot_of(model, names[0]) if names else None  # where src[0] lives: see refresh()
+
+    def refresh(self, full: bool = False) -> None:
+        """Follow the model's tensors when its module slots hold other objects than at declaration.
+
+        ``fully_shard`` (FSDP2) replaces every parameter by a sharded ``DTensor``
+        parameter in the same module slot: an EMA declared before sharding
+        then pairs the copy with the new parameters by name, and the copy is
+        sharded the same way (its averages kept, each rank keeping its shard).
+        At each full check one identity check (the first tensor's slot)
+        decides; when ownership is recomputed (``full``), every slot.
+        """
+        first = self._first
+        if first is None:
+            return
+        model = self._model()
+        if model is None:
+            return
+        owner, attr, kind = first
+        mod = owner()
+        now0 = getattr(mod, kind).get(attr) if mod is not None else None
+        if sharding.is_sharded(self._src[0]) and not sharding.is_sharded(now0):
+            return  # inside FSDP's forward/backward the slot holds its temporary unsharded parameter
+        if now0 is not None and now0 is not self._src[0]:
+            pass  # the first slot changed (fully_shard replaces them all)
+        elif not full:
+            return
+        else:
+            now = [*(t for _, t in model.named_parameters()), *(t for _, t in model.named_buffers())]
+            if len(now) == len(self._src) and all(a is b for a, b in zip(now, self._src)):
+                return
+        support = hooks.sharding_support()  # sharding hook: shard the copy like the model
+        if support is not None:
+            support.follow_copy(self.module, model)
+        self._pair(model, self.module)
+        self._key = None
+
+    def resync(self) -> None:
+        self.refresh(full=True)
 
     # --- the step counter t ------------------------------------------------
     def _counter(self) -> torch.Tensor:
@@ -212,6 +257,7 @@ class EMA(Rule):
         return self._model() is not None
 
     def owner_tensors(self) -> list[torch.Tensor]:
+        self.refresh()
         return self._src
 
     def tensors(self) -> list[torch.Tensor]:
@@ -240,6 +286,7 @@ class EMA(Rule):
 
     def check(self, ctx: CommitContext) -> None:
         """Before any write: the pairs still match (a moved model or copy is an error, not a half-update)."""
+        self.refresh()
         key = storage_key(self._pairs, self._sub)
         if key != self._key:
             self._build()
@@ -260,7 +307,13 @@ class EMA(Rule):
             for name, s, d in zip(self.names, self._src, self._dst):
                 dtype = self._dtype if self._dtype is not None and s.is_floating_point() else s.dtype
                 device = self._device if self._device is not None else s.device
-                if s.shape != d.shape or d.dtype != dtype or d.device != device:
+                if (
+                    s.shape != d.shape
+                    or d.dtype != dtype
+                    or d.device != device
+                    or sharding.is_sharded(s) != sharding.is_sharded(d)
+                    or (sharding.is_sharded(s) and tuple(s.placements) != tuple(d.placements))
+                ):
                     expect = (
                         where(s)
                         if (dtype, device) == (s.dtype, s.device)
@@ -276,8 +329,9 @@ class EMA(Rule):
             for s, d, a in zip(self._src, self._dst, self._avg):
                 key = (a, d.device, d.dtype, s.device, s.dtype)
                 groups.setdefault(key, ([], []))
-                groups[key][0].append(d)
-                groups[key][1].append(s)
+                # DTensors (FSDP2): the copy is sharded like the model, so each rank averages its shard
+                groups[key][0].append(sharding.local(d))
+                groups[key][1].append(sharding.local(s))
             self._lerp, self._mixed, self._copy, self._moved = [], [], [], []
             for (a, dd, dt, sd, st), (dsts, srcs) in groups.items():
                 if sd != dd:
@@ -415,7 +469,11 @@ def ema(
             "declare the EMA on the trained model"
         )
     dev = torch.device(device) if device is not None else None
-    module = copy.deepcopy(model)
+    check_declared(list(model.named_parameters()), model, "pu.ema", origin)
+    support = hooks.sharding_support()  # sharding hook: a sharded model gets a copy sharded the same way
+    module = support.copy_module(model) if support is not None else None
+    if module is None:
+        module = copy.deepcopy(model)
     module.requires_grad_(False)
     module.eval()
     if dev is not None or dtype is not None:
@@ -425,6 +483,17 @@ def ema(
     register(rule)
     _BY_COPY[module] = weakref.ref(rule)
     return module
+
+
+def _slot_of(model: nn.Module, name: str) -> tuple[weakref.ref, str, str] | None:
+    """``(module, attr, "_parameters" or "_buffers")`` of the tensor called ``name`` in ``model``."""
+    prefix, _, attr = name.rpartition(".")
+    try:
+        mod = model.get_submodule(prefix)
+    except AttributeError:
+        return None
+    kind = "_parameters" if attr in mod._parameters else "_buffers"
+    return weakref.ref(mod), attr, kind
 
 
 def rule_of(averaged: nn.Module) -> EMA:

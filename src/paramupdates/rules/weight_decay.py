@@ -35,11 +35,12 @@ import torch
 from torch import nn
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
+from .. import sharding
 from ..origin import call_site
 from ..parameter import Parameter
 from ..phases import BEFORE_GRAD
 from .base import Rule, register
-from .common import WeakList, has_subclass, named_tensors, plain_if, refuse_inside_step, storage_key
+from .common import WeakList, check_declared, has_subclass, named_tensors, plain_if, refuse_inside_step, storage_key
 
 if TYPE_CHECKING:
     from ..commit import CommitContext
@@ -67,13 +68,19 @@ class WeightDecay(Rule):
     per_optimizer_update = True
 
     def __init__(
-        self, named: list[tuple[str, torch.Tensor, float]], scale_by_lr: bool, origin: str, foreach: bool = True
+        self,
+        named: list[tuple[str, torch.Tensor, float]],
+        scale_by_lr: bool,
+        origin: str,
+        foreach: bool = True,
+        root: nn.Module | None = None,
     ) -> None:
         super().__init__(origin)
         self.foreach = foreach
         self.names = [n for n, _, _ in named]
         self.rates = [r for _, _, r in named]
-        self._tensors = WeakList([t for _, t, _ in named])
+        # declared on a module: follows its parameters by name (e.g. into fully_shard's DTensors)
+        self._tensors = WeakList([t for _, t, _ in named], root, self.names if root is not None else None)
         self.scale_by_lr = scale_by_lr
         self._key: tuple | None = None
         # indices into the declared tensors, never the tensors (a rule must not keep them alive)
@@ -90,13 +97,17 @@ class WeightDecay(Rule):
     def owner_tensors(self) -> list[torch.Tensor]:
         return self._tensors.live()
 
+    def resync(self) -> None:
+        if self._tensors.resync():
+            self._key = None  # another tensor in a slot: plan again
+
     def tensors(self) -> list[torch.Tensor]:
         """What the coming (or last) commit decays; all covered tensors before the first commit."""
         if self._key is None:
             return self._tensors.live()
         if self._live:
             return self._written_ts
-        live = [r() for r in self._tensors._refs]
+        live = self._tensors.current()
         return [t for i in self._written if (t := live[i]) is not None]
 
     def alive(self) -> bool:
@@ -107,7 +118,7 @@ class WeightDecay(Rule):
         opt = ctx.optimizer
         if opt is None:  # pragma: no cover - collect_rules drops per-update rules without optimizer
             return
-        live = [r() for r in self._tensors._refs]
+        live = self._tensors.current()
         small = self._opt_key(opt, live)
         # the storage too: model.to() / .data = change the device and dtype the cached groups and factors are for
         key = (small, storage_key([t for t in live if t is not None], self._sub))
@@ -203,7 +214,8 @@ class WeightDecay(Rule):
 
     # --- commit ------------------------------------------------------------------
     def apply(self, ctx: CommitContext) -> None:
-        live = self._live
+        # elementwise: a DTensor (FSDP2) decays its local shard, with no communication
+        live = sharding.locals_of(self._live)
         with plain_if(self._sub):
             if not self.foreach:  # the reference path: one tensor at a time
                 for i, f in zip(self._written, self._factors):
@@ -259,7 +271,10 @@ def weight_decay(
     if exclude is not None and not callable(exclude):
         raise TypeError(f"pu.weight_decay at {origin}: exclude must be a callable (name, tensor) -> bool or None")
     chosen: list[tuple[str, torch.Tensor, float]] = []
-    for name, t in named_tensors(params, "pu.weight_decay"):
+    named = named_tensors(params, "pu.weight_decay")
+    root = params if isinstance(params, nn.Module) else None
+    check_declared(named, root, "pu.weight_decay", origin)
+    for name, t in named:
         own = t.weight_decay if isinstance(t, Parameter) else None
         if own is None and exclude is not None and exclude(name, t):
             continue
@@ -271,6 +286,6 @@ def weight_decay(
                 raise ValueError(f"pu.weight_decay at {origin}: {name!r} is {t.dtype}, not floating point")
             continue
         chosen.append((name, t, r))
-    rule = WeightDecay(chosen, bool(scale_by_lr), origin, foreach is not False)
+    rule = WeightDecay(chosen, bool(scale_by_lr), origin, foreach is not False, root)
     register(rule)
     return rule

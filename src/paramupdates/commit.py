@@ -245,12 +245,12 @@ class Commit:
         opt = self.optimizer
         if opt is not None:
             self.rollback.protect_optimizer(opt, all_params=closure is not None)
-            context.committing.append(self)  # an attachment on this optimizer stands aside
+            context.local.committing.append(self)  # an attachment on this optimizer stands aside
             self.optimizer_starting()
             try:
                 out = opt.step() if closure is None else opt.step(closure)
             finally:
-                context.committing.remove(self)
+                context.local.committing.remove(self)
             if closure is not None:
                 self.journal.hide()
                 if self.state == "new":

@@ -58,14 +58,14 @@ def functional_call(
     trainable parameters need a phase (ambiguity is an error, rule 5), as in a step.
     """
     j = Journal(ModelIndex(module), None, "pu.func.functional_call")
-    context.explicit.append(j)
+    context.local.explicit.append(j)
     try:
         out = torch.func.functional_call(
             module, parameter_and_buffer_dicts, args, kwargs, tie_weights=tie_weights, strict=strict
         )
     finally:
-        if j in context.explicit:
-            context.explicit.remove(j)
+        if j in context.local.explicit:
+            context.local.explicit.remove(j)
         j.discard()
     updates = {e.name: e.value for e in j.entries.values() if e.value is not None}
     return out, updates

@@ -7,7 +7,7 @@ pending value is computed out of place (``ops.apply_op``) and shown to later
 reads (``overlay``): read-your-writes in program order (rule 1). No storage
 is written (deferred commit, rule 2): saved tensors stay valid, version counters do not move.
 
-While a checkpointed segment is recomputed (``context.replay``), an update
+While a checkpointed segment is recomputed (``context.local.replay``), an update
 issued again moves only the replay's view and is not recorded (rule 3).
 
 The journal is written by the recording path and read by the commit
@@ -129,7 +129,7 @@ class Journal:
             e = self.aliases.get(id(t))
             if e is not None and e.value is t:
                 return e
-        replay = context.replay
+        replay = context.local.replay
         if replay is not None:
             e = replay.lookup(self, t)  # a value shown by a checkpoint recomputation
             if e is not None:
@@ -213,7 +213,7 @@ class Journal:
                 f"pu.{op} on {e.name!r} at {origin} with phase={phase!r} was issued after that phase was "
                 f"committed (inside optimizer.step()). Issue it before the optimizer step, or use a later phase."
             )
-        replay = context.replay
+        replay = context.local.replay
         # (While dynamo traces, this is not a runtime check; a compiled forward
         # is not re-run by autograd: checkpointing inside it is a graph op.)
         if replay is None and not compiling and _graph_task_id() != -1:
@@ -224,12 +224,12 @@ class Journal:
                 "pu.checkpoint (or torch.utils.checkpoint with use_reentrant=False) for activation "
                 "checkpointing."
             )
-        if replay is None and not compiling and context.eager_log is None and hooks.segment_probes:
+        if replay is None and not compiling and context.local.eager_log is None and hooks.segment_probes:
             hooks.adopt_segment()  # inside a torch.utils.checkpoint segment: note its entry values (replay, rule 3)
         support = None if compiling else hooks.sharding_support()
         if support is not None and not e.records:
             support.check_update(self, e, f"pu.{op}", origin)  # sharding hook: FSDP's temporary parameters
-        cond = context.conditions[-1]
+        cond = context.local.conditions[-1]
         pred = cond if isinstance(cond, torch.Tensor) else None
         if new is not None:
             if pred is not None:
@@ -263,15 +263,15 @@ class Journal:
         """Several internal auxiliary updates whose new values the caller computed (``pu.nn``'s
         statistics: ``(entry, op, operand, new value)``), checked together: what :meth:`record`
         checks that does not depend on the target, once."""
-        replay = context.replay
+        replay = context.local.replay
         if self.done_phases and AUXILIARY in self.done_phases:
             self.record(items[0][0], "assign", items[0][3], None, None, sync, origin, True, compiling)  # raises
         if replay is None and not compiling:
             if _graph_task_id() != -1:
                 self.record(items[0][0], "assign", items[0][3], None, None, sync, origin, True, compiling)  # raises
-            if context.eager_log is None and hooks.segment_probes:
+            if context.local.eager_log is None and hooks.segment_probes:
                 hooks.adopt_segment()  # inside a torch.utils.checkpoint segment (replay, rule 3)
-        cond = context.conditions[-1]
+        cond = context.local.conditions[-1]
         pred = cond if isinstance(cond, torch.Tensor) else None
         for e, op, operand, new in items:
             if e.trainable or sync is not None or e.sync is not None:
@@ -317,8 +317,8 @@ class Journal:
 
     def current_of(self, e: Entry) -> torch.Tensor:
         """What a read of ``e``'s target sees now: its pending value, or the value a checkpoint
-        recomputation shows (``context.replay``)."""
-        replay = context.replay
+        recomputation shows (``context.local.replay``)."""
+        replay = context.local.replay
         if replay is not None:
             return replay.current(self, e)
         return e.current()

@@ -214,8 +214,8 @@ class Stepper(_Owner):
 
     def _open(self) -> Journal:
         site = call_site(2)
-        if context.explicit:
-            other = context.explicit[-1]
+        if context.local.explicit:
+            other = context.local.explicit[-1]
             raise UpdateError(
                 f"pu.step at {site} for {type(self.model).__name__}: a step is already in progress "
                 f"({other.label}, for {type(other.index.model).__name__}); pu.step blocks do not nest. "
@@ -223,12 +223,12 @@ class Stepper(_Owner):
             )
         j = Journal(self.index, self.optimizer, f"pu.step at {site}", self._reuse())
         self._journal = j
-        context.explicit.append(j)
+        context.local.explicit.append(j)
         return j
 
     def _close(self, j: Journal) -> None:
-        if context.explicit and context.explicit[-1] is j:
-            context.explicit.pop()
+        if context.local.explicit and context.local.explicit[-1] is j:
+            context.local.explicit.pop()
         self._journal = None
 
     def _discard(self, j: Journal) -> None:
@@ -384,7 +384,7 @@ class Attachment(_Owner):
             return False
         if self.journal is not None and self.journal.find(t, create=False) is not None:
             return False
-        for j in context.explicit:
+        for j in context.local.explicit:
             if j.index.peek(t) is not None:
                 return True
         return any(other is not self and other.index.peek(t) is not None for other in context.attachments)
@@ -559,7 +559,7 @@ def _run_by_explicit_commit(optimizer: Any) -> bool:
     """A ``pu.step`` / ``Stepper`` commit is running ``optimizer.step()``: that commit owns the step
     (its rules and updates), and an attachment on the optimizer stands aside; committing there too
     would apply the declared rules a second time."""
-    return any(c.optimizer is optimizer for c in context.committing)
+    return any(c.optimizer is optimizer for c in context.local.committing)
 
 
 def attach(model: nn.Module, optimizer: torch.optim.Optimizer, **options: Unpack[StepOptionsDict]) -> Attachment:

@@ -16,7 +16,7 @@ def reset() -> None:
     """
     for att in list(context.attachments):
         att.detach()
-    for j in list(context.explicit):
+    for j in list(context.local.explicit):
         j.discard()
     context.reset()
     base.clear()

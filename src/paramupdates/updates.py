@@ -50,7 +50,7 @@ def issue(
     statistics): it becomes the pending value without a defensive copy. ``depth``: frames
     between the user's call and this function.
     """
-    cond = context.conditions[-1]
+    cond = context.local.conditions[-1]
     if cond is False:
         return
     compiling = torch.compiler.is_compiling()
@@ -73,10 +73,10 @@ def issue(
         j.record(e, op, operand, key, phase, sync, origin, fresh, compiling)
         return
     pred = cond if isinstance(cond, torch.Tensor) else None  # None: unconditional
-    if context.replay is not None:
+    if context.local.replay is not None:
         # Issued again by a checkpoint recomputation: the forward already applied it (replay, rule 3);
         # only the recomputation's own view moves.
-        context.replay.eager_write(op, target, operand, key, pred)
+        context.local.replay.eager_write(op, target, operand, key, pred)
         return
     # Outside a step: eager, in place, under no_grad (eager outside a step, rule 8).
     try:
@@ -90,8 +90,8 @@ def issue(
         check_operand(op, target, operand, key, owner[0], origin)
         raise
     log = (
-        context.eager_log
-        if context.eager_log is not None
+        context.local.eager_log
+        if context.local.eager_log is not None
         else (hooks.adopt_segment() if hooks.segment_probes else None)
     )
     if log is not None:
@@ -117,7 +117,7 @@ def issue_computed(
     the condition and the journal are looked up once for all of them. The values are trusted:
     made by the caller for these updates alone, of the targets' shape, dtype and device.
     """
-    if context.conditions[-1] is False or not updates:
+    if context.local.conditions[-1] is False or not updates:
         return
     compiling = torch.compiler.is_compiling()
     origin = capture(depth, compiling)
@@ -140,7 +140,7 @@ def route(
     t: torch.Tensor, origin: Origin | str, op: str, compiling: bool = False
 ) -> tuple[Journal | None, Entry | None]:
     """The journal that records updates of target ``t``; ``(None, None)``: apply eagerly."""
-    for j in reversed(context.explicit):
+    for j in reversed(context.local.explicit):
         e = j.find(t, True, compiling)
         if e is not None:
             return j, e
@@ -148,8 +148,16 @@ def route(
         j, e = att.route(t, compiling)
         if e is not None:
             return j, e
-    if context.explicit:
-        j = context.explicit[-1]
+    replay = context.local.replay
+    if replay is not None:
+        # A recomputation in a thread without the step (autograd's device threads): the journals
+        # live when the segment's forward ran (replay, rule 3; threads)
+        for j in replay.journals:
+            e = j.find(t, True, compiling)
+            if e is not None:
+                return j, e
+    if context.local.explicit:
+        j = context.local.explicit[-1]
         mine = type(j.index.model).__name__
         other = owner_anywhere(t)
         if other is not None:

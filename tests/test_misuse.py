@@ -1,0 +1,175 @@
+"""Misuse and lifecycle (issue 15): the mistakes users make by accident get a defined behaviour,
+never a silent wrong step. One section per row of docs/guarantees.md's "Misuse and lifecycle" table."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import paramupdates as pu
+
+from conftest import assert_same, bits, snapshot
+from test_checkpoint import ReadAfterWrite
+
+
+def _in_thread(fn, *args):
+    """Run ``fn(*args)`` in a new thread; return its result, re-raise its exception."""
+    out: dict = {}
+
+    def body():
+        try:
+            out["value"] = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed back to the caller
+            out["error"] = exc
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join(timeout=60)
+    assert not t.is_alive(), "thread hung"
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")
+
+
+class BNNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.bn = pu.nn.BatchNorm1d(4)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        pu.assign_add(self.calls, 1)
+        return self.bn(self.lin(x))
+
+
+# --- row 7: steps are per thread -------------------------------------------------------------------
+def _train(model, xs, barrier=None):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x in xs:
+        opt.zero_grad()
+        with pu.step(model, opt):
+            model(x).square().sum().backward()
+            if barrier is not None:
+                barrier.wait(timeout=30)  # both threads are inside their steps here
+    return model
+
+
+def test_two_threads_step_two_models():
+    xs = [torch.randn(8, 4) for _ in range(4)]
+    torch.manual_seed(1)
+    a, b = BNNet(), BNNet()
+    ref_a, ref_b = BNNet(), BNNet()
+    ref_a.load_state_dict(a.state_dict())
+    ref_b.load_state_dict(b.state_dict())
+    _train(ref_a, xs)
+    _train(ref_b, xs[::-1])
+    barrier = threading.Barrier(2)
+    errors = []
+
+    def worker(m, data):
+        try:
+            _train(m, data, barrier)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=worker, args=(a, xs)), threading.Thread(target=worker, args=(b, xs[::-1]))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    assert_same(snapshot(a), snapshot(ref_a))
+    assert_same(snapshot(b), snapshot(ref_b))
+    assert int(a.calls) == 4 and int(b.bn.num_batches_tracked) == 4
+
+
+def test_eager_update_in_another_thread_is_unaffected_by_a_step():
+    stepped, other = BNNet(), BNNet()
+    before = snapshot(other)
+    stored = stepped.calls
+    with pu.step(stepped):
+        stepped(torch.randn(8, 4))  # this thread's step has pending updates of `stepped`
+        _in_thread(other, torch.randn(8, 4))  # an eager forward of another model, in another thread
+        assert int(other.calls) == 1 and int(other.bn.num_batches_tracked) == 1  # applied at once
+        assert int(stored) == 0 and int(stepped.calls) == 1  # stored and pending: the step is still open
+    assert int(stepped.calls) == 1
+    after = dict(snapshot(other))
+    assert not torch.equal(dict(before)["bn.running_mean"], after["bn.running_mean"])
+
+
+def test_eager_update_in_another_thread_ignores_this_threads_when():
+    m = BNNet()
+    with pu.when(False):
+        _in_thread(pu.assign_add, m.calls, 5)
+        pu.assign_add(m.calls, 1)  # this thread: dropped
+    assert int(m.calls) == 5
+
+
+def test_a_step_in_another_thread_does_not_nest():
+    a, b = BNNet(), BNNet()
+    with pu.step(a):
+        pu.assign_add(a.calls, 1)
+        _in_thread(lambda: [pu.step(b).__enter__(), pu.assign_add(b.calls, 2), None][-1])
+        # the other thread's step is its own: not "nested", not seen here
+        assert int(pu.read(a.calls)) == 1
+    assert int(a.calls) == 1
+
+
+@pytest.mark.parametrize("use_attach", [False, True])
+def test_recomputation_in_another_thread_replays(use_attach):
+    """Autograd recomputes checkpointed segments in its device threads on accelerators: here
+    backward runs in another thread (on CPU, autograd runs it in the calling thread)."""
+    x = torch.randn(5, 3)
+    results = []
+    for ckpt in (None, pu.checkpoint):
+        torch.manual_seed(1)
+        m = ReadAfterWrite()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        if use_attach:
+            att = pu.attach(m, opt)
+            loss = m(x, ckpt)
+            _in_thread(loss.backward)
+            grads = [p.grad.clone() for p in (m.w, m.gain)]
+            opt.step()
+            att.detach()
+        else:
+            with pu.step(m, opt):
+                loss = m(x, ckpt)
+                _in_thread(loss.backward)
+                grads = [p.grad.clone() for p in (m.w, m.gain)]
+        results.append((loss.detach(), grads, snapshot(m)))
+    (l0, g0, s0), (l1, g1, s1) = results
+    assert torch.equal(bits(l0), bits(l1))
+    for a, b in zip(g0, g1):
+        assert torch.equal(bits(a), bits(b))
+    assert_same(s0, s1)
+
+
+def test_running_stats_recomputed_in_another_thread_equal_no_checkpoint():
+    class Seg(nn.Module):
+        def __init__(self, ckpt):
+            super().__init__()
+            self.net = BNNet()
+            self.ckpt = ckpt
+
+        def forward(self, x):
+            return self.ckpt(self.net, x) if self.ckpt else self.net(x)
+
+    xs = [torch.randn(8, 4) for _ in range(3)]
+    torch.manual_seed(2)
+    plain, ckpt = Seg(None), Seg(pu.checkpoint)
+    ckpt.load_state_dict(plain.state_dict())
+    for m in (plain, ckpt):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for x in xs:
+            opt.zero_grad()
+            with pu.step(m, opt):
+                loss = m(x).square().sum()
+                _in_thread(loss.backward)
+    assert_same(snapshot(plain), snapshot(ckpt))
+    assert int(ckpt.net.calls) == 3

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 import paramupdates as pu
+from test_checkpoint import ReadAfterWrite
 
 from conftest import assert_same, bits, snapshot
-from test_checkpoint import ReadAfterWrite
 
 
 def _in_thread(fn, *args):

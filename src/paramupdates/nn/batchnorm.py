@@ -53,7 +53,12 @@ __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "Update
 def _nothing_records() -> bool:
     """True when an update issued now would simply apply in place: no step, attachment,
     condition, checkpoint segment, recomputation, transform or compilation is active."""
-    if context.local.explicit or context.attachments or context.local.replay is not None or context.local.eager_log is not None:
+    if (
+        context.local.explicit
+        or context.attachments
+        or context.local.replay is not None
+        or context.local.eager_log is not None
+    ):
         return False
     if context.local.conditions[-1] is not None or torch.compiler.is_compiling():
         return False

@@ -173,3 +173,70 @@ def test_running_stats_recomputed_in_another_thread_equal_no_checkpoint():
                 _in_thread(loss.backward)
     assert_same(snapshot(plain), snapshot(ckpt))
     assert int(ckpt.net.calls) == 3
+
+
+# --- row 2: non-finite gradients -------------------------------------------------------------------
+def _rules_model():
+    torch.manual_seed(0)
+    m = BNNet()
+    opt = torch.optim.Adam(m.parameters(), lr=0.1)
+    pu.weight_decay(m, 0.1)
+    pu.constrain(m.lin.weight, pu.max_norm(1.0))
+    avg = pu.ema(m, 0.9)
+    return m, opt, avg
+
+
+def _nan_grad_step(m, how, opt, att=None, **options):
+    """One training step whose lin.weight gradient has a NaN."""
+    x = torch.randn(8, 4)
+
+    def closure():
+        opt.zero_grad()
+        loss = m(x).square().sum()
+        loss.backward()
+        m.lin.weight.grad[0, 0] = float("nan")
+        return loss
+
+    if how == "step":
+        with pu.step(m, opt, **options) as s:
+            closure()
+        return s
+    if how == "closure":
+        s = pu.Stepper(m, opt, closure=closure, **options)
+        with s:
+            pass
+        return s
+    closure()
+    opt.step()
+    return att
+
+
+@pytest.mark.parametrize("how", ["step", "closure", "attach"])
+def test_nonfinite_gradient_skips_the_whole_step(how):
+    m, opt, avg = _rules_model()
+    att = pu.attach(m, opt, on_nonfinite="skip") if how == "attach" else None
+    before = snapshot(m, opt, avg)
+    owner = _nan_grad_step(m, how, opt, att, **({} if how == "attach" else {"on_nonfinite": "skip"}))
+    assert_same(before, snapshot(m, opt, avg))  # no optimizer step, no statistics, no rule, no EMA
+    assert owner.skipped_steps == 1 and owner.steps == 0 and owner.skipped
+    assert torch.isnan(m.lin.weight.grad[0, 0])  # the gradients are put back, as they were
+
+
+@pytest.mark.parametrize("how", ["step", "closure", "attach"])
+def test_nonfinite_gradient_raises_naming_the_parameter(how):
+    m, opt, avg = _rules_model()
+    att = pu.attach(m, opt) if how == "attach" else None
+    before = snapshot(m, opt, avg)
+    with pytest.raises(pu.UpdateError) as ei:
+        _nan_grad_step(m, how, opt, att)
+    msg = str(ei.value)
+    assert "non-finite gradient of 'lin.weight'" in msg and "'lin.bias'" not in msg
+    assert "on_nonfinite='skip'" in msg and "Nothing was written" in msg
+    assert ("pu.attach(BNNet)" if how == "attach" else "pu.step at tests/test_misuse.py:") in msg
+    assert_same(before, snapshot(m, opt, avg))
+
+
+def test_nonfinite_gradient_with_check_finite_false_reaches_the_optimizer():
+    m, opt, _ = _rules_model()
+    _nan_grad_step(m, "step", opt, check_finite=False)
+    assert torch.isnan(m.lin.weight).any()  # what plain PyTorch does

@@ -39,7 +39,9 @@ restores everything bitwise.
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -150,6 +152,9 @@ class Commit:
             1 for r in rules if not r.infallible
         )
         opts = self.options
+        # The gradients the optimizer will use are checked with the pending values (validated
+        # commit, rule 7): as torch.amp.GradScaler does, in the same batched reduction.
+        params, grads = _grads(self.optimizer) if opts.check_finite and self.optimizer is not None else ([], [])
         synced = j.synced
         remote_bad = 0
         agreed = False  # every rank of the group learnt how many ranks have non-finite pending values
@@ -161,7 +166,9 @@ class Commit:
                 # unsynced values rides along, so all ranks decide alike.
                 local_bad = False
                 if opts.check_finite:
-                    ok = _finite_flag([e for e in j.entries.values() if e.sync is None])
+                    ok = _all_finite(
+                        [e.value for e in j.entries.values() if e.sync is None and e.value is not None] + grads
+                    )
                     local_bad = ok is not None and not bool(ok)
                 remote_bad = backend.reduce(self, synced, local_bad)
                 agreed = opts.process_group is None and any(not e.sharded for e in synced)
@@ -172,28 +179,49 @@ class Commit:
             # go into a parameter whose memory FSDP has freed.
             self._guard_storage()
             if opts.check_finite and not agreed:
-                ok = _finite_flag(j.entries.values())
+                ok = _all_finite([e.value for e in j.entries.values() if e.value is not None] + grads)
                 remote_bad = support.agree_nonfinite(self, ok is not None and not bool(ok))
         if opts.check_finite:
-            bad = _nonfinite(j.entries.values())
-            if bad or remote_bad:
+            bad, bad_grads = _nonfinite(j.entries.values(), grads)
+            if bad or bad_grads or remote_bad:
                 if opts.on_nonfinite == "skip":
                     self.skipped = True
                     self._end("done")
                     return False
                 self._end("aborted")
-                if not bad:
+                if not bad and not bad_grads:
                     raise UpdateError(
                         f"{self.label}: {remote_bad} other rank(s) have non-finite pending values in this "
                         "step (see their error). Nothing was written on any rank. Fix the value, or pass "
                         "on_nonfinite='skip' to drop such steps (they are counted, on every rank alike)."
                     )
-                lines = "; ".join(f"{e.name!r} (last update at {e.records[-1].origin})" for e in bad)
+                if bad:
+                    lines = "; ".join(f"{e.name!r} (last update at {e.records[-1].origin})" for e in bad)
+                    raise UpdateError(
+                        f"{self.label}: non-finite pending value for {lines}. Nothing was written. "
+                        "Fix the value, or pass on_nonfinite='skip' to drop such steps (they are counted)."
+                    )
+                names = ", ".join(repr(self._param_name(params[i])) for i in bad_grads[:5])
+                more = f" and {len(bad_grads) - 5} more" if len(bad_grads) > 5 else ""
                 raise UpdateError(
-                    f"{self.label}: non-finite pending value for {lines}. Nothing was written. "
-                    "Fix the value, or pass on_nonfinite='skip' to drop such steps (they are counted)."
+                    f"{self.label}: non-finite gradient of {names}{more}, which "
+                    f"{type(self.optimizer).__name__}.step() would write into the parameter. Nothing was "
+                    "written. Fix the loss, the data or the learning rate; or pass on_nonfinite='skip' to skip "
+                    "such steps as torch.amp.GradScaler does (the whole step, counted in skipped_steps); or "
+                    "check_finite=False to let the optimizer take them."
                 )
         return True
+
+    def _param_name(self, p: torch.Tensor) -> str:
+        """``p``'s qualified name in the model, or where the optimizer holds it."""
+        name = self.journal.index.name_of(p)
+        if name is not None:
+            return name
+        for gi, g in enumerate(self.optimizer.param_groups):  # type: ignore[union-attr]
+            for pi, q in enumerate(g["params"]):
+                if q is p:
+                    return f"param_groups[{gi}]['params'][{pi}] (not a parameter of the model)"
+        return "<a parameter>"
 
     def _guard_storage(self) -> None:
         """Refuse the commit (before any write) if a target's memory does not cover it: FSDP frees its
@@ -450,13 +478,12 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 # --- finiteness: one batched reduction ---------------------------------------------
-def _finite_flag(entries: Any) -> torch.Tensor | None:
-    """A 0-dim bool on the CPU: all pending values of ``entries`` finite (None if none is floating).
+def _all_finite(values: list[torch.Tensor]) -> torch.Tensor | None:
+    """A 0-dim bool on the CPU: all of ``values`` finite (None if none is floating).
 
     The values are grouped by device and dtype in C; each floating group is reduced by one
     ``torch._foreach_norm(inf)``; one host sync for all.
     """
-    values = [e.value for e in entries if e.value is not None]
     if not values:
         return None
     flags = []
@@ -474,16 +501,39 @@ def _finite_flag(entries: Any) -> torch.Tensor | None:
     return flags[0] if len(flags) == 1 else torch.stack(flags).all()
 
 
-def _nonfinite(entries: Any) -> list[Entry]:
-    """The entries whose pending value is not finite (one batched check; per entry only on failure)."""
+_grad_of = torch._C.TensorBase.grad.__get__  # the C getter, mapped without a Python-level loop
+
+
+def _grads(optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The parameters of ``optimizer`` that have a gradient, and those gradients (a sparse
+    gradient by its values): what ``optimizer.step()`` will use."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    grads = list(map(_grad_of, params))
+    if any(map(operator.is_, grads, itertools.repeat(None))):
+        kept = [(p, g) for p, g in zip(params, grads) if g is not None]
+        params, grads = [p for p, _ in kept], [g for _, g in kept]
+    if any(g.layout != torch.strided for g in grads):
+        grads = [g if g.layout == torch.strided else g.coalesce().values() for g in grads]
+    return params, grads
+
+
+def _nonfinite(entries: Any, grads: list[torch.Tensor] = ()) -> tuple[list[Entry], list[int]]:  # type: ignore[assignment]
+    """The entries whose pending value is not finite, and the indices of the non-finite ``grads``
+    (one batched check for all; per tensor only on failure)."""
     entries = list(entries)
-    ok = _finite_flag(entries)
+    ok = _all_finite([e.value for e in entries if e.value is not None] + list(grads))
     if ok is None or bool(ok):
-        return []
-    return [
+        return [], []
+    bad = [
         e
         for e in entries
         if e.value is not None
         and (e.value.is_floating_point() or e.value.is_complex())
         and not bool(sharding.local(e.value).isfinite().all())
     ]
+    bad_grads = [
+        i
+        for i, g in enumerate(grads)
+        if (g.is_floating_point() or g.is_complex()) and not bool(sharding.local(g).isfinite().all())
+    ]
+    return bad, bad_grads

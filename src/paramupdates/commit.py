@@ -183,6 +183,12 @@ class Commit:
                 remote_bad = support.agree_nonfinite(self, ok is not None and not bool(ok))
         if opts.check_finite:
             bad, bad_grads = _nonfinite(j.entries.values(), grads)
+            if bad_grads and not bad and not remote_bad and self._scaler() is not None:
+                # a scaled gradient overflowed: the scaler's business (torch.amp.GradScaler semantics)
+                self.skipped = True
+                self._end("done")
+                self._scaler_skip()
+                return False
             if bad or bad_grads or remote_bad:
                 if opts.on_nonfinite == "skip":
                     self.skipped = True
@@ -211,6 +217,20 @@ class Commit:
                     "check_finite=False to let the optimizer take them."
                 )
         return True
+
+    def _scaler(self) -> Any:
+        """The step's ``torch.amp.GradScaler``, if it has an enabled one and an optimizer."""
+        scaler = self.options.scaler
+        if scaler is None or self.optimizer is None or not scaler.is_enabled():
+            return None
+        return scaler
+
+    def _scaler_skip(self) -> None:
+        """A skipped step under a scaler: ``scaler.step`` finds the overflow and leaves the optimizer
+        alone, ``scaler.update`` lowers the scale (as in a plain GradScaler loop)."""
+        scaler = self._scaler()
+        scaler.step(self.optimizer)
+        scaler.update()
 
     def _param_name(self, p: torch.Tensor) -> str:
         """``p``'s qualified name in the model, or where the optimizer holds it."""
@@ -275,8 +295,13 @@ class Commit:
             self.rollback.protect_optimizer(opt, all_params=closure is not None)
             context.local.committing.append(self)  # an attachment on this optimizer stands aside
             self.optimizer_starting()
+            scaler = self._scaler()
             try:
-                out = opt.step() if closure is None else opt.step(closure)
+                if scaler is not None:  # (no closure: refused with a scaler)
+                    out = scaler.step(opt)
+                    scaler.update()
+                else:
+                    out = opt.step() if closure is None else opt.step(closure)
             finally:
                 context.local.committing.remove(self)
             if closure is not None:

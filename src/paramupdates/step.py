@@ -22,12 +22,12 @@ import functools
 import types
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, Unpack
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from . import context, hooks
 from .commit import Commit
@@ -179,20 +179,20 @@ class Stepper(_Owner):
         closure: Callable[[], Any] | None = None,
         **options: Unpack[StepOptionsDict],
     ) -> None:
+        _check_arguments(model, optimizer, "pu.Stepper")
         super().__init__(model, optimizer, make_options(dict(options), "pu.Stepper"))
         self.closure = closure
+        if closure is not None and self.options.scaler is not None:
+            raise TypeError(
+                f"pu.Stepper at {call_site(2)}: closure= and scaler= do not go together "
+                "(torch.amp.GradScaler.step does not support closures)."
+            )
         self._journal: Journal | None = None
+        self._guard: RemovableHandle | None = None
 
-    @contextmanager
-    def step(self, closure: Callable[[], Any] | None = None) -> Iterator[Stepper]:
+    def step(self, closure: Callable[[], Any] | None = None) -> StepBlock:
         """Context manager: one step; commits on a clean exit, discards on an exception."""
-        j = self._open()
-        try:
-            yield self
-        except BaseException:
-            self._discard(j)
-            raise
-        self._finish(j, closure if closure is not None else self.closure)
+        return StepBlock(self, closure)
 
     def __enter__(self) -> Stepper:
         self._open()
@@ -224,12 +224,17 @@ class Stepper(_Owner):
         j = Journal(self.index, self.optimizer, f"pu.step at {site}", self._reuse())
         self._journal = j
         context.local.explicit.append(j)
+        if self.optimizer is not None:
+            self._guard = _refuse_foreign_steps(self.optimizer, j)
         return j
 
     def _close(self, j: Journal) -> None:
         if context.local.explicit and context.local.explicit[-1] is j:
             context.local.explicit.pop()
         self._journal = None
+        if self._guard is not None:
+            self._guard.remove()
+            self._guard = None
 
     def _discard(self, j: Journal) -> None:
         self._close(j)
@@ -249,13 +254,90 @@ class Stepper(_Owner):
         return self._journal
 
 
+class StepBlock:
+    """One step of a :class:`Stepper`, as a context manager (what ``pu.step(...)`` and
+    ``stepper.step()`` return): entered once, it commits on a clean exit and discards on an
+    exception. Entering it again is an :class:`UpdateError` (one ``pu.step(...)`` is one step)."""
+
+    def __init__(self, stepper: Stepper, closure: Callable[[], Any] | None) -> None:
+        self.stepper = stepper
+        self.closure = closure
+        self._journal: Journal | None = None
+        self._used_at: str | None = None
+
+    def __enter__(self) -> Stepper:
+        if self._used_at is not None:
+            raise UpdateError(
+                f"pu.step at {call_site(2)} for {type(self.stepper.model).__name__}: this pu.step(...) object "
+                f"was already used ({self._used_at}); one pu.step(...) is one step. Call "
+                "pu.step(model, optimizer) again for each step, or make a pu.Stepper once and enter it each "
+                "time (with stepper: ...)."
+            )
+        self._journal = self.stepper._open()
+        self._used_at = self._journal.label
+        return self.stepper
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        j, self._journal = self._journal, None
+        assert j is not None
+        if exc_type is not None:
+            self.stepper._discard(j)
+            return
+        self.stepper._finish(j, self.closure if self.closure is not None else self.stepper.closure)
+
+
+def _check_arguments(model: Any, optimizer: Any, where: str) -> None:
+    """``TypeError`` naming the call site for a model that is not a module or an optimizer that is
+    not one (``pu.step(model, model)``, swapped arguments)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"{where} at {call_site(3)}: the model must be a torch.nn.Module, not {type(model).__name__}. "
+            f"Call {where}(model, optimizer)."
+        )
+    if optimizer is not None and not (
+        callable(getattr(optimizer, "step", None)) and hasattr(optimizer, "param_groups")
+    ):
+        raise TypeError(
+            f"{where} at {call_site(3)} for {type(model).__name__}: the optimizer must be a torch.optim.Optimizer "
+            f"(or None), not {type(optimizer).__name__}. Call {where}(model, optimizer)."
+        )
+
+
+def _refuse_foreign_steps(optimizer: Any, j: Journal) -> RemovableHandle | None:
+    """While ``j``'s step records, an ``optimizer.step()`` that its commit does not make (the user's,
+    or ``GradScaler.step``'s) raises :class:`UpdateError` before the optimizer writes: the commit owns
+    that step. A step pre-hook on the optimizer, run before any other (an attachment's too)."""
+    try:
+        opt = hookable(optimizer)
+    except UpdateError:
+        return None  # no step hooks to guard with
+
+    def refuse(o: Any, args: Any, kwargs: Any) -> None:
+        if any(c.journal is j for c in context.local.committing):
+            return  # the commit's own call
+        name = type(o).__name__
+        raise UpdateError(
+            f"{name}.step() at {call_site(1)} was called inside {j.label}, which owns that optimizer step: "
+            f"its commit calls {name}.step() once, between the before_grad and after_grad phases, at the end "
+            "of the block (this call would update the parameters a second time, in the middle of the "
+            "transaction). Remove the optimizer.step() call from the block; with a torch.amp.GradScaler, "
+            "remove scaler.step(optimizer) and scaler.update() too and pass scaler=scaler to pu.step. Or "
+            "keep a loop that calls optimizer.step() itself with pu.attach(model, optimizer) instead of "
+            "pu.step. Nothing was written; the step is discarded."
+        )
+
+    handle = opt.register_step_pre_hook(refuse)
+    opt._optimizer_step_pre_hooks.move_to_end(handle.id, last=False)  # before an attachment's pre-hook
+    return handle
+
+
 def step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     *,
     closure: Callable[[], Any] | None = None,
     **options: Unpack[StepOptionsDict],
-) -> Any:
+) -> StepBlock:
     """One training step as a transaction (context manager yielding a :class:`Stepper`).
 
     ``with pu.step(model, opt) as s: loss.backward()`` records every update
@@ -266,6 +348,7 @@ def step(
     ``**options`` (``on_nonfinite="raise"`` or ``"skip"``, ``check_finite``,
     ``copy_for_rollback``, ``process_group``, ``sync_timeout``): see :class:`Stepper`.
     """
+    _check_arguments(model, optimizer, "pu.step")
     return Stepper(model, optimizer, closure=closure, **options).step()
 
 
@@ -300,6 +383,7 @@ class Attachment(_Owner):
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, **options: Unpack[StepOptionsDict]) -> None:
+        _check_arguments(model, optimizer, "pu.attach")
         optimizer = hookable(optimizer)
         super().__init__(model, optimizer, make_options(dict(options), "pu.attach"))
         self.journal: Journal | None = None  # the step being recorded (or committed)

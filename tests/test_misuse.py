@@ -342,3 +342,50 @@ def test_scaler_option_is_refused_under_attach_and_with_a_closure():
         pu.Stepper(m, opt, scaler=scaler, closure=lambda: None)
     with pytest.raises(TypeError, match="GradScaler"):
         pu.step(m, opt, scaler=object())
+
+
+# --- row 6: attachments never detached ---------------------------------------------------------------
+def test_forgotten_attachments_are_collected_with_their_models():
+    import gc
+    import weakref
+
+    from paramupdates import context
+
+    refs = []
+    for trial in range(200):
+        m = BNNet()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        pu.attach(m, opt, copy_for_rollback=trial % 2 == 0)  # never detached (a notebook, a loop over trials)
+        m(torch.randn(8, 4)).square().sum().backward()
+        opt.step()
+        m(torch.randn(8, 4))  # and one with updates left pending
+        refs.append(weakref.ref(m))
+        del m, opt
+    gc.collect()
+    alive = sum(r() is not None for r in refs)
+    assert alive == 0 and not context.attachments
+
+
+def test_a_forgotten_attachment_does_not_block_another_model():
+    old = BNNet()
+    old_opt = torch.optim.SGD(old.parameters(), lr=0.1)
+    pu.attach(old, old_opt)
+    old(torch.randn(8, 4))  # pending updates, never committed: the attachment is forgotten
+    new = BNNet()
+    pu.weight_decay(new, 0.1)  # another model: declared
+    pu.constrain(new.lin.weight, pu.max_norm(1.0))
+    pu.ema(new, 0.9)
+    with pytest.raises(pu.UpdateError) as ei:
+        pu.ema(old, 0.9)  # MARK: the same model
+    msg = str(ei.value)
+    assert f"pu.ema at tests/test_misuse.py:{_line_of('MARK: the same model')}" in msg
+    assert "pu.attach(BNNet) at tests/test_misuse.py:" in msg and "'calls'" in msg
+    assert "discard()" in msg and "flush()" in msg
+
+
+def test_reattaching_names_the_first_attachment():
+    m = BNNet()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    pu.attach(m, opt)  # MARK: first
+    with pytest.raises(pu.UpdateError, match=rf"already attached \(pu.attach\(BNNet\) at tests/test_misuse.py:{_line_of('MARK: first')}\).*detach\(\)"):
+        pu.attach(m, opt)

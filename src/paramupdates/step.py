@@ -64,14 +64,20 @@ def commit_caches(index: ModelIndex, optimizer: torch.optim.Optimizer | None) ->
 class _Owner:
     """What Stepper and Attachment share: the model, the options, counters, the last schedule, state."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, options: StepOptions) -> None:
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, options: StepOptions, weak: bool = False
+    ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
         support = hooks.sharding_support()  # sharding hook: refuse engines whose parameters pu cannot update
         if support is not None:
             support.check_model(model, optimizer, type(self).__name__)
-        self.model = model
-        self.optimizer = optimizer
+        # ``weak`` (an attachment): model and optimizer are held weakly, so that a forgotten attachment
+        # keeps neither alive (docs/design.md, "Attachments hold their model weakly")
+        forget = self._forget if weak else None
+        self._model_ref = weakref.ref(model, forget)
+        self._optimizer_ref = weakref.ref(optimizer, forget) if optimizer is not None else None
+        self._strong = None if weak else (model, optimizer)
         self.options = options
         self.index = index_of(model)
         self.steps = 0
@@ -84,6 +90,22 @@ class _Owner:
         self._last = Schedule()
         self._last_skipped = False
         self._reuse_entries = commit_caches(self.index, optimizer)[2]
+
+    @property
+    def model(self) -> nn.Module:
+        """The model (``None`` once an attachment's model was collected)."""
+        return self._model_ref()  # type: ignore[return-value]
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer, if any (``None`` once an attachment's optimizer was collected)."""
+        ref = self._optimizer_ref
+        return None if ref is None else ref()
+
+    @staticmethod
+    def _forget(_ref: Any) -> None:
+        """Model or optimizer collected: drop every attachment left without one."""
+        context.attachments[:] = [a for a in context.attachments if a.model is not None and a.optimizer is not None]
 
     def _commit(self, journal: Journal, optimizer: torch.optim.Optimizer | None) -> Commit:
         c = Commit(journal, optimizer, self.options, commit_caches(self.index, optimizer), self._closed)
@@ -188,7 +210,7 @@ class Stepper(_Owner):
                 "(torch.amp.GradScaler.step does not support closures)."
             )
         self._journal: Journal | None = None
-        self._guard: RemovableHandle | None = None
+        self._foreign: RemovableHandle | None = None  # refuses optimizer steps not made by the commit
 
     def step(self, closure: Callable[[], Any] | None = None) -> StepBlock:
         """Context manager: one step; commits on a clean exit, discards on an exception."""
@@ -225,16 +247,16 @@ class Stepper(_Owner):
         self._journal = j
         context.local.explicit.append(j)
         if self.optimizer is not None:
-            self._guard = _refuse_foreign_steps(self.optimizer, j)
+            self._foreign = _refuse_foreign_steps(self.optimizer, j)
         return j
 
     def _close(self, j: Journal) -> None:
         if context.local.explicit and context.local.explicit[-1] is j:
             context.local.explicit.pop()
         self._journal = None
-        if self._guard is not None:
-            self._guard.remove()
-            self._guard = None
+        if self._foreign is not None:
+            self._foreign.remove()
+            self._foreign = None
 
     def _discard(self, j: Journal) -> None:
         self._close(j)
@@ -385,13 +407,16 @@ class Attachment(_Owner):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, **options: Unpack[StepOptionsDict]) -> None:
         _check_arguments(model, optimizer, "pu.attach")
         optimizer = hookable(optimizer)
-        super().__init__(model, optimizer, make_options(dict(options), "pu.attach"))
+        super().__init__(model, optimizer, make_options(dict(options), "pu.attach"), weak=True)
+        self.origin = call_site(2)
+        self.label = f"pu.attach({type(model).__name__}) at {self.origin}"
         self.journal: Journal | None = None  # the step being recorded (or committed)
         self.commit: Commit | None = None  # its commit, between the pre- and post-hook
         for other in context.attachments:
             if other.model is model:
                 raise UpdateError(
-                    f"pu.attach: {type(model).__name__} is already attached; detach() the first attachment."
+                    f"pu.attach at {self.origin}: {type(model).__name__} is already attached ({other.label}); "
+                    "call detach() on that attachment first."
                 )
         self._pre = optimizer.register_step_pre_hook(self._pre_hook)
         self._post = optimizer.register_step_post_hook(self._post_hook)
@@ -408,29 +433,32 @@ class Attachment(_Owner):
         """Wrap ``optimizer.step`` on the instance so that an exception inside it rolls the commit back
         at once. A bound method (``torch.optim.lr_scheduler`` wraps ``opt.step.__func__``), keeping the
         marks of a wrapper already there (an LR scheduler's ``_wrapped_by_lr_sched``)."""
-        self._orig_step = optimizer.step
-        self._prev_step_attr = optimizer.__dict__.get("step")  # an instance wrapper already there
+        orig = optimizer.step
+        prev = optimizer.__dict__.get("step")  # an instance wrapper already there
+        # what optimizer.step was, kept as a function of the optimizer: a bound method would hold the
+        # optimizer, which the attachment holds weakly
+        self._prev_step = (_unbound(prev, optimizer), _unbound(prev, optimizer) is not prev)  # (fn, was bound)
         attachment = weakref.ref(self)
-        orig = self._orig_step
+        call_orig = _as_function_of(orig, optimizer)
 
         @functools.wraps(type(optimizer).step)
         def step(opt: Any, *args: Any, **kwargs: Any) -> Any:
             att = attachment()
             if att is None or att._detached:
-                return orig(*args, **kwargs)
-            return att._guarded_step(*args, **kwargs)
+                return call_orig(opt, *args, **kwargs)
+            return att._guarded_step(call_orig, opt, *args, **kwargs)
 
         step.__dict__.update(getattr(orig, "__dict__", {}))
         step.__dict__.pop("__wrapped__", None)
-        self._guard = types.MethodType(step, optimizer)
-        optimizer.step = self._guard  # type: ignore[method-assign]
+        self._guard_fn = step
+        optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
 
-    def _guarded_step(self, *args: Any, **kwargs: Any) -> Any:
+    def _guarded_step(self, orig: Callable[..., Any], opt: Any, *args: Any, **kwargs: Any) -> Any:
         """``optimizer.step``: on an exception the step is ended (restored, or its pending updates dropped)
         before it propagates."""
         self._calls += 1
         try:
-            return self._orig_step(*args, **kwargs)
+            return orig(opt, *args, **kwargs)
         except BaseException as exc:
             if self.commit is not None:
                 self._abort(exc)
@@ -452,7 +480,7 @@ class Attachment(_Owner):
             return (self.journal, e) if e is not None else (None, None)
         if self.index.lookup(t) is None:
             return None, None
-        self.journal = Journal(self.index, self.optimizer, f"pu.attach({type(self.model).__name__})", self._reuse())
+        self.journal = Journal(self.index, self.optimizer, self.label, self._reuse())
         return self.journal, self.journal.find(t, True, compiling)
 
     def _owned_elsewhere(self, t: torch.Tensor) -> bool:
@@ -496,7 +524,7 @@ class Attachment(_Owner):
         self._nested = 0
 
     def _pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
-        if _run_by_explicit_commit(optimizer):
+        if _run_by_explicit_commit(optimizer) or self.model is None:
             return None
         if self.commit is not None and not self._hooks_running and self._inside_own_step():
             # A nested step: an optimizer subclass calling super().step(), whose
@@ -505,7 +533,7 @@ class Attachment(_Owner):
             return None
         self._recover()  # the previous optimizer.step() raised, called around the wrapper
         if self.journal is None:
-            self.journal = Journal(self.index, self.optimizer, f"pu.attach({type(self.model).__name__})", self._reuse())
+            self.journal = Journal(self.index, self.optimizer, self.label, self._reuse())
         c = self.commit = self._commit(self.journal, optimizer)
         self._step_calls = self._calls
         self._hooks_running = True
@@ -534,7 +562,7 @@ class Attachment(_Owner):
         return None
 
     def _post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if _run_by_explicit_commit(optimizer):
+        if _run_by_explicit_commit(optimizer) or self.model is None:
             return
         if self._nested:
             self._nested -= 1
@@ -586,12 +614,15 @@ class Attachment(_Owner):
         self._pre.remove()
         self._post.remove()
         self._detached = True
-        opt_dict = self.optimizer.__dict__  # type: ignore[union-attr]
-        if opt_dict.get("step") is self._guard:
-            if self._prev_step_attr is None:
+        opt = self.optimizer
+        opt_dict = opt.__dict__ if opt is not None else {}
+        now = opt_dict.get("step")
+        if isinstance(now, types.MethodType) and now.__func__ is self._guard_fn:
+            prev, bound = self._prev_step
+            if prev is None:
                 del opt_dict["step"]
             else:
-                opt_dict["step"] = self._prev_step_attr
+                opt_dict["step"] = types.MethodType(prev, opt) if bound else prev
         if self in context.attachments:
             context.attachments.remove(self)
 
@@ -601,6 +632,19 @@ class Attachment(_Owner):
 
     def _open_journal(self) -> Journal | None:
         return self.journal
+
+
+def _unbound(method: Any, obj: Any) -> Any:
+    """``method.__func__`` if ``method`` is bound to ``obj``, else ``method``."""
+    return method.__func__ if isinstance(method, types.MethodType) and method.__self__ is obj else method
+
+
+def _as_function_of(method: Any, obj: Any) -> Callable[..., Any]:
+    """``f(obj, *args)`` calling ``method(*args)``, without holding ``obj`` when ``method`` is bound to it."""
+    fn = _unbound(method, obj)
+    if fn is not method:
+        return fn
+    return lambda _obj, *args, **kwargs: method(*args, **kwargs)
 
 
 def hookable(optimizer: Any) -> torch.optim.Optimizer:

@@ -64,13 +64,32 @@ def named_tensors(obj: Any, fn: str) -> Named:
     return out
 
 
-def refuse_inside_step(fn: str, origin: str) -> None:
-    """Rules are declared outside steps (their tensors must hold committed values)."""
-    if context.local.explicit or any(a.journal is not None and a.journal.entries for a in context.attachments):
-        raise UpdateError(
-            f"{fn} at {origin} was called while a step with pending updates is in progress. "
-            "Declare rules before training (or between steps)."
-        )
+def refuse_inside_step(fn: str, origin: str, tensors: Iterable[torch.Tensor] = ()) -> None:
+    """Refuse to declare a rule on ``tensors`` while updates to any of them are pending: a rule is
+    declared on committed values. Steps of other threads, and steps and attachments whose pending
+    updates touch other tensors (a forgotten attachment of another model), are no obstacle."""
+    ids = {id(t) for t in tensors}
+    if not ids:
+        return
+    owners = [(j.label, j, None) for j in context.local.explicit]
+    owners += [(a.label, a.journal, a) for a in context.attachments if a.journal is not None]
+    for label, j, att in owners:
+        # (a module's buffer slot shows the pending value: its id counts as the target's)
+        names = [
+            e.name for e in j.entries.values() if e.value is not None and (id(e.target) in ids or id(e.value) in ids)
+        ]
+        names += [row[1].name for row in j.rows if id(row[0]) in ids or id(row[4]) in ids]
+        if names:
+            shown = ", ".join(map(repr, names[:3])) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            fix = (
+                "Call flush() (commit them now) or discard() (drop them) on that attachment first"
+                if att is not None
+                else "Declare it before the step (or between steps)"
+            )
+            raise UpdateError(
+                f"{fn} at {origin}: {label} holds pending updates of {shown}, which this rule is declared on; "
+                f"rules are declared on committed values. {fix}."
+            )
 
 
 def check_declared(named: Named, root: Any, fn: str, origin: str) -> None:

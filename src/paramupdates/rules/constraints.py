@@ -526,7 +526,6 @@ def constrain(
     up to the rounding of the norms). Returns the rule (``.remove()`` undeclares it).
     """
     origin = call_site(2)
-    refuse_inside_step("pu.constrain", origin)
     if not isinstance(constraint, Constraint):
         if not callable(constraint):
             raise TypeError(
@@ -538,6 +537,7 @@ def constrain(
     if not named:
         raise ValueError(f"pu.constrain at {origin}: no tensors given")
     root = params if isinstance(params, nn.Module) else None
+    refuse_inside_step("pu.constrain", origin, [t for _, t in named])
     check_declared(named, root, "pu.constrain", origin)
     for name, t in named:
         constraint.validate(name, t, origin)

@@ -446,9 +446,9 @@ def ema(
     per-tensor reference path (``a.lerp_(p, 1 - d_t)`` pair by pair; bitwise the same result).
     """
     origin = call_site(2)
-    refuse_inside_step("pu.ema", origin)
     if not isinstance(model, nn.Module):
         raise TypeError(f"pu.ema at {origin}: expected a torch.nn.Module, got {type(model).__name__}")
+    refuse_inside_step("pu.ema", origin, [*model.parameters(), *model.buffers()])
     decay = float(decay)
     if not 0.0 <= decay <= 1.0 or math.isnan(decay):
         raise ValueError(f"pu.ema at {origin}: decay must be in [0, 1], got {decay}")

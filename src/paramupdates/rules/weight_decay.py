@@ -262,7 +262,6 @@ def weight_decay(
     for a decayed parameter (double decay). Returns the rule (``.remove()`` undeclares it).
     """
     origin = call_site(2)
-    refuse_inside_step("pu.weight_decay", origin)
     if exclude is ...:  # the contract writes the default as "..."
         exclude = skip_1d
     rate = float(rate)
@@ -273,6 +272,7 @@ def weight_decay(
     chosen: list[tuple[str, torch.Tensor, float]] = []
     named = named_tensors(params, "pu.weight_decay")
     root = params if isinstance(params, nn.Module) else None
+    refuse_inside_step("pu.weight_decay", origin, [t for _, t in named])
     check_declared(named, root, "pu.weight_decay", origin)
     for name, t in named:
         own = t.weight_decay if isinstance(t, Parameter) else None

@@ -66,6 +66,7 @@ def functional_call(
     finally:
         if j in context.explicit:
             context.explicit.remove(j)
+        j.absorb()
         j.discard()
     updates = {e.name: e.value for e in j.entries.values() if e.value is not None}
     return out, updates

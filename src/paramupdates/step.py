@@ -371,6 +371,15 @@ class Attachment(_Owner):
         self.journal = Journal(self.index, self.optimizer, f"pu.attach({type(self.model).__name__})", self._reuse())
         return self.journal, self.journal.find(t, True, compiling)
 
+    def journal_for(self, t: torch.Tensor, compiling: bool = False) -> Journal | None:
+        """The journal that records updates of ``t`` if this model has it as a parameter or buffer
+        (the index as built, no rebuild), opening a step if none is open; else None."""
+        if self.index.peek(t) is None:
+            return None
+        if self.journal is None:
+            self.journal = Journal(self.index, self.optimizer, f"pu.attach({type(self.model).__name__})", self._reuse())
+        return self.journal
+
     def _owned_elsewhere(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is known (without rebuilding any index) to belong to another model only.
 

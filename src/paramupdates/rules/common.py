@@ -66,7 +66,9 @@ def named_tensors(obj: Any, fn: str) -> Named:
 
 def refuse_inside_step(fn: str, origin: str) -> None:
     """Rules are declared outside steps (their tensors must hold committed values)."""
-    if context.explicit or any(a.journal is not None and a.journal.entries for a in context.attachments):
+    if context.explicit or any(
+        a.journal is not None and (a.journal.entries or a.journal.rows) for a in context.attachments
+    ):
         raise UpdateError(
             f"{fn} at {origin} was called while a step with pending updates is in progress. "
             "Declare rules before training (or between steps)."

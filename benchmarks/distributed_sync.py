@@ -11,8 +11,8 @@ ranks, three ways:
 * ``bucketed``:   hand-written eager code, one flattened ``all_reduce`` per
   dtype (the floor for this work);
 * ``pu``:         ``pu.assign(..., sync="mean")`` inside ``pu.step``, i.e.
-  recording, the overlay, the commit with its finiteness check, snapshot,
-  and its one bucketed ``all_reduce`` per dtype;
+  recording, the overlay, the commit with its finiteness check and its one
+  bucketed ``all_reduce`` per dtype (default settings: no rollback copy);
 * ``pu no sync``: the same without ``sync`` (ranks diverge; it isolates
   what recording and committing cost from what syncing costs).
 

@@ -109,7 +109,7 @@ def _row(part: str, name: str, r: Ratio, goal: float, note: str) -> dict:
 
 
 def run(
-    device: torch.device, *, repeats: int = 15, steps: int = 8, compiled: bool = False, backend: str = "inductor"
+    device: torch.device, *, repeats: int = 15, steps: int = 16, compiled: bool = False, backend: str = "inductor"
 ) -> list[dict]:
     """Rows of the table: pu.step and pu.attach over plain torch, eager or (``compiled``) both compiled."""
     fns, atts = variants(device, compiled, backend)

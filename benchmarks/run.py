@@ -141,9 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     q = args.quick
     reps = 2 if q else args.repeats
     jobs = {
-        "launch": lambda: launch_bound.run(device, repeats=reps, steps=1 if q else 8),
+        "launch": lambda: launch_bound.run(device, repeats=reps, steps=1 if q else 16),
         "compiled": lambda: launch_bound.run(
-            device, repeats=reps, steps=1 if q else 8, compiled=True, backend=args.backend
+            device, repeats=reps, steps=1 if q else 16, compiled=True, backend=args.backend
         ),
         "step": lambda: step_overhead.run(device, repeats=reps, steps=1 if q else 2),
         "peak": lambda: peak_memory.run(
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             small=q,
         ),
         "rules": lambda: rules.rows(
-            device, rounds=reps, iters=1 if q else 5, sizes=("tiny",) if q else ("tiny", "small", "large")
+            device, rounds=reps, iters=1 if q else 10, sizes=("tiny",) if q else ("tiny", "small", "large")
         ),
         "alloc": lambda: memory.run(device, steps=1 if q else memory.STEPS),
         "checkpoint": lambda: checkpointed.run(device, repeats=1 if q else max(3, reps // 3), steps=1 if q else 4),

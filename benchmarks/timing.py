@@ -37,14 +37,13 @@ def use_device(device: torch.device) -> None:
 
 
 def sync_of(device: torch.device) -> Callable[[], None]:
-    """``torch.<device type>.synchronize`` (waits for the queued kernels); a no-op on CPU."""
+    """A function that waits for the work queued on ``device`` (``torch.cuda.synchronize(device)``)."""
     if device.type == "cpu":
         return lambda: None
-    mod = getattr(torch, device.type, None)
-    sync = getattr(mod, "synchronize", None)
+    sync = getattr(getattr(torch, device.type, None), "synchronize", None)
     if sync is None:
         raise ValueError(f"no torch.{device.type}.synchronize: cannot time work on {device}")
-    return sync
+    return lambda: sync(device)
 
 
 def clock_name() -> str:
@@ -62,8 +61,13 @@ def now() -> float:
 
 
 def select_device(name: str) -> torch.device:
-    """``torch.device(name)``, or a ``SystemExit`` that says why that device cannot be used here."""
-    dev = torch.device(name)
+    """``torch.device(name)`` (CPU or CUDA), or a ``SystemExit`` that says why it cannot be used here."""
+    try:
+        dev = torch.device(name)
+    except RuntimeError as exc:
+        raise SystemExit(f"--device {name}: {exc}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise SystemExit(f"--device {name}: the benchmarks run on cpu or cuda.")
     if dev.type == "cuda" and not torch.cuda.is_available():
         built = torch.version.cuda
         why = (
@@ -74,8 +78,6 @@ def select_device(name: str) -> torch.device:
         raise SystemExit(f"--device {name}: CUDA is not available ({why}). Run without --device for the CPU.")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise SystemExit(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) visible.")
-    if dev.type not in ("cpu", "cuda"):
-        sync_of(dev)  # raises if it cannot be timed
     return dev
 
 

@@ -20,7 +20,8 @@ optimizer step (or the commit) stay outside the compiled region, as a user
 writes it (docs/compile.md). Compiling happens before the timing (each compiled
 variant runs its first steps first), and the wall time those first steps took
 is reported as the compile cost (inductor keeps an on-disk cache: a rerun on
-the same machine compiles much faster than the first run).
+the same machine compiles much faster than the first run). The note says so
+if dynamo compiled any graph while the steps were timed.
 
 Goals (performance contract, docs/design.md): pu / torch <= 1.30 eager,
 <= 1.10 compiled, for ``pu.step`` and ``pu.attach``.

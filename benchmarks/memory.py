@@ -18,7 +18,9 @@ On CUDA it is ``torch.cuda.max_memory_allocated``.
 The default rows divide pu's extra peak over eager by the bytes of the values
 the step leaves pending (the running statistics the batch norms assign);
 performance contract: a default step adds the pending values only, no copy of
-parameters or optimizer state, so the goal is <= 1. The ``copy_for_rollback``
+parameters or optimizer state, so the goal is <= 1 (pending values that
+outlive their commit until the cyclic garbage collector frees them count once
+per step they survive). The ``copy_for_rollback``
 row divides by the bytes the step updates (parameters with gradients, their
 momentum, buffers): about 1, the one copy that option states it costs.
 """

@@ -101,7 +101,7 @@ class Commit:
             seq  # the owner's count of closed steps: ranks check they commit the same one (distributed sync, rule 9)
         )
         pool, self.ruleset, _entries = caches if caches is not None else (None, None, None)
-        self.rollback = Rollback(options.copy_for_rollback, pool, self)
+        self.rollback = Rollback(options.copy_for_rollback, pool)
         self._applied: list[str] = []  # what was written so far, for the note on an exception
         self.rules: list[Rule] = []
         self.skipped = False
@@ -364,15 +364,15 @@ class Commit:
                 if rule.phase == phase:
                     rows.extend(rule.rows(index))
             for item in order:
-                if len(item) == 2:  # an entry and its record
+                if len(item) == 2:  # an entry and its record (a row's item has 4 fields)
                     e, r = item
                     if r.phase == phase:
                         cond = "-" if r.cond is None else "when(tensor)"
                         sync = f" sync={r.sync}" if r.sync else ""
                         rows.append(ScheduleEntry(phase, e.name, r.op + sync, cond, str(r.origin)))
-                elif phase == AUXILIARY:  # a row: (target, info, op, operand, value, pred, origin, pos)
-                    cond = "-" if item[5] is None else "when(tensor)"
-                    rows.append(ScheduleEntry(phase, item[1].name, item[2], cond, str(item[6])))
+                elif phase == AUXILIARY:  # a row: (info, op, conditional, origin)
+                    cond = "when(tensor)" if item[2] else "-"
+                    rows.append(ScheduleEntry(phase, item[0].name, item[1], cond, str(item[3])))
         return rows
 
     # ------------------------------------------------------------------

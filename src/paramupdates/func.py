@@ -67,8 +67,8 @@ def functional_call(
         if j in context.explicit:
             context.explicit.remove(j)
         j.absorb()
+        updates = {e.name: e.value for e in j.entries.values() if e.value is not None}
         j.discard()
-    updates = {e.name: e.value for e in j.entries.values() if e.value is not None}
     return out, updates
 
 

@@ -88,7 +88,8 @@ class Journal:
         self.entries: dict[int, Entry] = {}
         self.aliases: dict[int, Entry] = {}  # id(pending value) -> its entry
         self.aliases_stale = False  # set when a compiled graph installed pending values
-        self.order: list[Any] = []  # issue order: (entry, record) pairs and rows
+        # issue order: (entry, record) pairs, and (info, op, conditional, origin) for rows
+        self.order: list[Any] = []
         # Rows: auxiliary updates whose values a module computed (pu.nn's statistics), of targets with
         # nothing else pending, kept as one tuple each instead of an entry and a record (record_rows);
         # made into entries when anything else touches them (absorb).
@@ -378,7 +379,7 @@ class Journal:
             else:
                 ids[id(t)] = ids[id(new)] = len(rows)
             rows.append(row)
-            order.append(row)
+            order.append((info, op, pred is not None, origin))  # what the schedule shows (no tensors)
             slots = info.slots
             if slots is not None and slots.get(info.attr) is t:
                 slots[info.attr] = new  # read-your-writes through the module attribute (rule 1)
@@ -462,7 +463,12 @@ class Journal:
 
     def show_pending(self) -> None:
         """Show the values still pending (those of phases not committed yet) again."""
-        self.absorb()
+        if self.rows and AUXILIARY not in self.done_phases:
+            for row in self.rows:
+                t, info, value = row[0], row[1], row[4]
+                if info.slots is not None and info.slots.get(info.attr) is t:
+                    info.slots[info.attr] = value
+            self.shown = True
         for e in self.entries.values():
             if e.value is not None and e.phases - self.done_phases:
                 self.set_value(e, e.value)
@@ -473,10 +479,15 @@ class Journal:
         self.close()
 
     def close(self) -> None:
-        """The step is over: its entries may serve the next one."""
+        """The step is over: its entries may serve the next one, and nothing here holds a pending value
+        any more (the last step's schedule keeps the journal: it must not keep a copy of the updated
+        tensors alive until the next step)."""
         self.state = "closed"
         self.rows = []
         self.row_ids = {}
-        if self.reuse is not None:
-            for e in self.entries.values():
-                e.journal = None
+        self.aliases = {}
+        for e in self.entries.values():
+            e.value = None
+            e.journal = None
+            for rec in e.records:
+                rec.operand = None  # (the schedule shows op, condition and origin only)

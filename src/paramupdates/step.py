@@ -450,7 +450,6 @@ class Attachment(_Owner):
             c.before_optimizer()
             c.rollback.protect_optimizer(optimizer, all_params=False)
             c.optimizer_starting()
-            self.journal.show_pending()
         except BaseException as exc:
             self._abort(exc)
             raise

@@ -11,12 +11,13 @@ ranks, three ways:
 * ``bucketed``:   hand-written eager code, one flattened ``all_reduce`` per
   dtype (the floor for this work);
 * ``pu``:         ``pu.assign(..., sync="mean")`` inside ``pu.step``, i.e.
-  recording, the overlay, the commit with its finiteness check, snapshot,
-  and its one bucketed ``all_reduce`` per dtype;
+  recording, the overlay, the commit with its finiteness check and its one
+  bucketed ``all_reduce`` per dtype (default settings: no rollback copy);
 * ``pu no sync``: the same without ``sync`` (ranks diverge; it isolates
   what recording and committing cost from what syncing costs).
 
-Prints the median step time of each and the ratios (rank 0).
+Prints the median step time of each and the ratios (rank 0). No goal: it shows
+what syncing costs and what bucketing saves. Not part of ``python -m benchmarks``.
 """
 
 from __future__ import annotations

@@ -1,56 +1,72 @@
-"""Declared rules over hundreds of tensors: paramupdates vs a per-parameter loop vs bare foreach.
+"""Benchmark (d): declared rules over hundreds of tensors, paramupdates vs bare foreach (and a loop).
 
-    .venv/bin/python benchmarks/rules.py [--rounds 15] [--iters 10]
+    python benchmarks/rules.py [--rounds 21] [--iters 5] [--sizes tiny,small,large] [--device cuda] [--wall]
 
-Rules: weight decay (2-D weights, lr-scaled), max_norm(2.0) on the 2-D weights,
-EMA(0.999) of every parameter. The model has 300 parameter tensors of mixed
-sizes: 50 blocks of Linear(d, 4d), Linear(4d, d), LayerNorm(d), with d cycling
-through 2..8 ("tiny", 0.01 M elements: per-tensor overhead only), 8..48
-("small", 0.36 M elements) or 32..128 ("large", 3 M elements: memory bound). One CPU thread (the
-machine is shared; OpenMP spinning under oversubscription distorts everything).
+What is measured: the time of one commit that applies weight decay (the 2-D
+weights, lr-scaled), ``max_norm(2.0)`` on the same weights and ``EMA(0.999)``
+of every parameter. The model has 300 parameter tensors of mixed sizes: 50
+blocks of Linear(d, 4d), Linear(4d, d), LayerNorm(d), with d cycling through
+2..8 ("tiny", 0.01 M elements: per-tensor overhead only), 8..48 ("small",
+0.36 M elements) or 32..128 ("large", 3 M elements: memory bound). One CPU
+thread by default, process CPU time (the machine is shared; OpenMP spinning
+under oversubscription distorts everything); on CUDA, wall clock after a
+synchronize.
 
-Four ways of doing the same math, timed side by side (interleaved rounds,
-median of the rounds):
+Five ways of doing the same math, timed side by side (``timing.interleaved``:
+variants interleaved, the order rotating, ratios paired round by round; median
+and range over the rounds, and the ratio of the minima):
 
-* ``pu``: one ``pu.Stepper`` commit (the rules run inside it), with the default
-  default settings (no copies) and with ``copy_for_rollback=True``;
+* ``pu (default)``: one ``pu.Stepper`` commit (the rules run inside it) at
+  default settings (no copies); ``pu (copy_for_rollback)``: the same with
+  ``copy_for_rollback=True``, for its cost;
 * ``loop``: a hand-written per-parameter Python loop (the Keras formula per tensor);
-* ``foreach``: bare ``torch._foreach_*`` calls on precomputed lists (the
-  row norms of max_norm as pu computes them on CPU, since PyTorch has no
-  foreach norm along a dim: one ``vector_norm`` over the concatenated small
-  weights of each row length, one per large weight);
+* ``foreach`` (the reference): bare ``torch._foreach_*`` calls on precomputed
+  lists (on CPU the row norms of max_norm as pu computes them there, since
+  PyTorch has no foreach norm along a dim: one ``vector_norm`` over the
+  concatenated small weights of each row length, one per large weight; on an
+  accelerator one per row length, all weights concatenated);
 * ``foreach + checks``: ``foreach`` plus one pass over the storage of the tensors the
   rules touch and one over the decayed weights' gradients: the least that a commit
-  which validates before writing (DESIGN validated commit (rule 7)) adds, i.e. the floor of pu / foreach;
+  which validates before writing (DESIGN validated commit (rule 7)) adds, i.e. the floor of pu / foreach.
 
 Part A isolates the rules: the optimizer's ``step`` does nothing (so the time is
 the rules plus what pu adds). Part B adds a real ``SGD(foreach=True)`` step to
-every variant. Ratios ``loop / pu`` (goal >= 3) and ``pu / foreach`` (goal <= 1.10).
+every variant. Goal (performance contract): ``pu (default) / foreach`` <= 1.10
+(small, large), <= 1.15 (tiny). ``python -m benchmarks`` shows these ratios
+(:func:`rows`); this script alone also prints every variant's time.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import torch
 from torch import nn
 
+if __package__ in (None, ""):  # python benchmarks/rules.py
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import paramupdates as pu
+from benchmarks import timing
+from benchmarks.timing import interleaved, ms, ratios
 
 EPS = 1e-7
 LR, WD, MAX, DECAY = 0.01, 0.05, 2.0, 0.999
 
 
 SIZES = {"tiny": (2, 4, 6, 8), "small": (8, 16, 32, 48), "large": (32, 64, 96, 128)}
-SIZE = "small"
+GOALS = {"tiny": 1.15, "small": 1.10, "large": 1.10}
+CPU = torch.device("cpu")
 
 
-def make_model() -> nn.Module:
+def make_model(size: str = "small") -> nn.Module:
     blocks = []
     for i in range(50):
-        d = SIZES[SIZE][i % 4]
+        d = SIZES[size][i % 4]
         blocks += [nn.Linear(d, 4 * d), nn.Linear(4 * d, d), nn.LayerNorm(d)]
     return nn.Sequential(*blocks)
 
@@ -62,9 +78,9 @@ class NoStep(torch.optim.SGD):
         return None
 
 
-def setup(real_opt: bool):
+def setup(size: str, real_opt: bool, device: torch.device):
     torch.manual_seed(0)
-    model = make_model()
+    model = make_model(size).to(device)
     for p in model.parameters():
         p.grad = torch.zeros_like(p) if not real_opt else torch.randn_like(p) * 1e-3
     opt_cls = torch.optim.SGD if real_opt else NoStep
@@ -72,8 +88,8 @@ def setup(real_opt: bool):
     return model, opt
 
 
-def pu_variant(real_opt: bool, copy: bool):
-    model, opt = setup(real_opt)
+def pu_variant(size: str, real_opt: bool, device: torch.device, copy: bool):
+    model, opt = setup(size, real_opt, device)
     weights = [p for p in model.parameters() if p.ndim == 2]
     pu.weight_decay(model, WD)
     pu.constrain(weights, pu.max_norm(MAX))
@@ -97,8 +113,8 @@ def tensors(model: nn.Module) -> tuple[list, list, list]:
     return params, [p for p in params if p.ndim == 2], [p.detach().clone() for p in params]
 
 
-def loop_variant(real_opt: bool):
-    model, opt = setup(real_opt)
+def loop_variant(size: str, real_opt: bool, device: torch.device):
+    model, opt = setup(size, real_opt, device)
     params, weights, avg = tensors(model)
 
     def run():
@@ -115,19 +131,22 @@ def loop_variant(real_opt: bool):
     return run, model
 
 
-def foreach_variant(real_opt: bool, checked: bool = False):
-    model, opt = setup(real_opt)
+def foreach_variant(size: str, real_opt: bool, device: torch.device, checked: bool = False):
+    model, opt = setup(size, real_opt, device)
     params, weights, avg = tensors(model)
     # The row norms as pu computes them on CPU (torch has no foreach norm over a dim): the small
     # weights of one row length concatenated into one vector_norm, the large ones one call each.
-    cat_max = pu.rules.constraints.CAT_NUMEL
+    # On an accelerator (launch bound) every weight of one row length goes into one call.
+    cpu = device.type == "cpu"
+    cat_max = pu.rules.constraints.CAT_NUMEL if cpu else float("inf")
     batches: dict = {}
     for w in weights:
         batches.setdefault(w.shape[1] if w.numel() <= cat_max else None, []).append(w)
     ordered = [w for b in batches.values() for w in b]
     counts = [w.shape[0] for w in ordered]
-    # 0-dim factors, as pu uses on CPU for float32 (2-3x faster than a Python scalar there, same bits)
-    factors = list(torch.full((len(weights),), 1 - LR * WD).unbind())
+    # 0-dim factors, as pu uses on CPU for float32 (2-3x faster than a Python scalar there, same bits);
+    # elsewhere one Python scalar
+    factors = list(torch.full((len(weights),), 1 - LR * WD).unbind()) if cpu else 1 - LR * WD
 
     # checked: plus the least a commit that validates before writing must add: one pass over the
     # storage of every tensor the rules touch (a moved model must fail before any write) and one over
@@ -155,32 +174,62 @@ def foreach_variant(real_opt: bool, checked: bool = False):
     return run, model
 
 
-def bench(real_opt: bool, rounds: int, iters: int) -> dict[str, float]:
-    variants = {}
-    for name, make in [
-        ("pu (default)", lambda: pu_variant(real_opt, False)),
-        ("pu (copy_for_rollback)", lambda: pu_variant(real_opt, True)),
-        ("loop", lambda: loop_variant(real_opt)),
-        ("foreach", lambda: foreach_variant(real_opt)),
-        ("foreach + checks", lambda: foreach_variant(real_opt, checked=True)),
-    ]:
-        run, model = make()
-        run()  # warm up (plans are built on the first commit)
-        variants[name] = (run, model)
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    for _ in range(rounds):  # interleaved, so that load on the machine hits every variant alike
-        for name, (run, _m) in variants.items():
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                run()
-            times[name].append((time.perf_counter() - t0) / iters)
-    return {k: statistics.median(v) for k, v in times.items()}
+VARIANTS = ("pu (default)", "pu (copy_for_rollback)", "loop", "foreach", "foreach + checks")
 
 
-def report(title: str, med: dict[str, float]) -> None:
+def bench(size: str, real_opt: bool, rounds: int, iters: int, device: torch.device = CPU) -> dict[str, list[float]]:
+    """Seconds per commit of each variant, one sample per round (``timing.interleaved``)."""
+    makers = {
+        "pu (default)": lambda: pu_variant(size, real_opt, device, False),
+        "pu (copy_for_rollback)": lambda: pu_variant(size, real_opt, device, True),
+        "loop": lambda: loop_variant(size, real_opt, device),
+        "foreach": lambda: foreach_variant(size, real_opt, device),
+        "foreach + checks": lambda: foreach_variant(size, real_opt, device, checked=True),
+    }
+    variants, models = {}, []
+    try:
+        for name in VARIANTS:
+            run, model = makers[name]()
+            variants[name] = run
+            models.append(model)
+        # warm-up (plans are built on the first commit), then interleaved rounds: load on the
+        # machine hits every variant alike
+        return interleaved(variants, repeats=rounds, steps=iters)
+    finally:
+        pu.rules.base.clear()  # the rules declared on this benchmark's models
+
+
+def rows(
+    device: torch.device = CPU, rounds: int = 15, iters: int = 5, sizes: tuple[str, ...] = ("tiny", "small", "large")
+) -> list[dict]:
+    """Rows of ``python -m benchmarks``'s table: pu (default) / bare foreach per size and part."""
+    out = []
+    for size in sizes:
+        n = sum(p.numel() for p in make_model(size).parameters())
+        for real_opt, part in ((False, "rules only"), (True, "with SGD step")):
+            t = bench(size, real_opt, rounds, iters, device)
+            r = ratios(t, "pu (default)", "foreach")
+            med = {k: statistics.median(v) for k, v in t.items()}
+            f = med["foreach"]
+            out.append(
+                {
+                    "bench": f"(d) rules: wd + max_norm + EMA, 300 tensors, {size} ({n / 1e6:.2g} M), {part}",
+                    "variant": "pu (default) / bare foreach",
+                    "ratio": r,
+                    "goal": GOALS[size],
+                    "note": f"ratio of minima {r.of_min:.3f}; {ms(r.s)} vs {ms(f)} ms; "
+                    f"floor (foreach + checks) {med['foreach + checks'] / f:.3f}; "
+                    f"copy_for_rollback {med['pu (copy_for_rollback)'] / f:.3f}; loop {med['loop'] / f:.3f}",
+                }
+            )
+    return out
+
+
+def report(title: str, times: dict[str, list[float]]) -> None:
+    med = {k: statistics.median(v) for k, v in times.items()}
     print(f"\n{title}")
     for k, v in med.items():
-        print(f"  {k:<18} {v * 1e3:8.3f} ms")
+        print(f"  {k:<22} {v * 1e3:8.3f} ms   (range {min(times[k]) * 1e3:.3f}-{max(times[k]) * 1e3:.3f})")
     ceiling = med["loop"] / med["foreach"]
     print(
         f"  ceiling: loop / bare foreach = {ceiling:5.2f}x (the most any library built on torch's foreach "
@@ -191,33 +240,37 @@ def report(title: str, med: dict[str, float]) -> None:
         "that validates before writing adds)"
     )
     for name in ("default", "copy_for_rollback"):
-        p = med[f"pu ({name})"]
+        r = ratios(times, f"pu ({name})", "foreach")
         print(
-            f"  {name:<17}: loop / pu = {med['loop'] / p:5.2f}x (goal >= 3)   "
-            f"pu / foreach = {p / med['foreach']:5.3f}x (goal <= 1.10)"
+            f"  {name:<17}: pu / foreach = {r.median:5.3f}x (range {r.spread()}, ratio of minima {r.of_min:5.3f})   "
+            f"loop / pu = {med['loop'] / r.s:5.2f}x"
         )
 
 
 def main() -> None:
-    global SIZE
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=21)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--sizes", default="tiny,small,large")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    ap.add_argument("--wall", action="store_true", help="wall clock instead of process CPU time (CPU)")
     args = ap.parse_args()
+    device = timing.select_device(args.device)
+    timing.use_device(device)
+    timing.use_wall_clock(args.wall)
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    for SIZE in args.sizes.split(","):
-        ps = list(make_model().parameters())
+    for size in args.sizes.split(","):
+        ps = list(make_model(size).parameters())
         print(
-            f"\n=== {SIZE}: torch {torch.__version__}, {torch.get_num_threads()} thread(s); {len(ps)} parameter "
-            f"tensors, {sum(p.numel() for p in ps) / 1e6:.2f} M elements; {sum(p.ndim == 2 for p in ps)} decayed "
-            f"and max-normed, {len(ps)} averaged; median of {args.rounds} rounds x {args.iters} steps"
+            f"\n=== {size}: torch {torch.__version__}, {device}, {torch.get_num_threads()} thread(s), "
+            f"{timing.clock_name()}; {len(ps)} parameter tensors, {sum(p.numel() for p in ps) / 1e6:.2f} M elements; "
+            f"{sum(p.ndim == 2 for p in ps)} decayed and max-normed, {len(ps)} averaged; "
+            f"median of {args.rounds} rounds x {args.iters} steps; goal pu (default) / foreach <= {GOALS[size]}"
         )
-        report("A. rules only (optimizer step is a no-op)", bench(False, args.rounds, args.iters))
-        report("B. with a real SGD(foreach=True) step", bench(True, args.rounds, args.iters))
-        pu.rules.base._RULES.clear()
+        report("A. rules only (optimizer step is a no-op)", bench(size, False, args.rounds, args.iters, device))
+        report("B. with a real SGD(foreach=True) step", bench(size, True, args.rounds, args.iters, device))
     print(f"\n(total {time.perf_counter() - t0:.1f} s)")
 
 

@@ -387,5 +387,8 @@ def test_reattaching_names_the_first_attachment():
     m = BNNet()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     pu.attach(m, opt)  # MARK: first
-    with pytest.raises(pu.UpdateError, match=rf"already attached \(pu.attach\(BNNet\) at tests/test_misuse.py:{_line_of('MARK: first')}\).*detach\(\)"):
+    with pytest.raises(
+        pu.UpdateError,
+        match=rf"already attached \(pu.attach\(BNNet\) at tests/test_misuse.py:{_line_of('MARK: first')}\).*detach\(\)",
+    ):
         pu.attach(m, opt)

@@ -51,7 +51,7 @@ from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 from . import context, hooks, overlay, sharding
 from .errors import UpdateError
 from .ops import apply_op
-from .phases import AFTER_OPTIMIZER, BEFORE_GRAD, GRAD, PHASES
+from .phases import AFTER_OPTIMIZER, AFTER_STEP, AUXILIARY, BEFORE_GRAD, GRAD, PHASES
 from .rollback import Rollback, SnapshotPool
 from .rules.base import Rule, RuleSet, rules_for
 from .schedule import Schedule, ScheduleEntry
@@ -103,7 +103,7 @@ class Commit:
             seq  # the owner's count of closed steps: ranks check they commit the same one (distributed sync, rule 9)
         )
         pool, self.ruleset, _entries = caches if caches is not None else (None, None, None)
-        self.rollback = Rollback(options.copy_for_rollback, pool, self)
+        self.rollback = Rollback(options.copy_for_rollback, pool)
         self._applied: list[str] = []  # what was written so far, for the note on an exception
         self.rules: list[Rule] = []
         self.skipped = False
@@ -166,23 +166,21 @@ class Commit:
                 # unsynced values rides along, so all ranks decide alike.
                 local_bad = False
                 if opts.check_finite:
-                    ok = _all_finite(
-                        [e.value for e in j.entries.values() if e.sync is None and e.value is not None] + grads
-                    )
+                    ok = _finite_flag(_pending_values(j, unsynced=True) + grads)
                     local_bad = ok is not None and not bool(ok)
                 remote_bad = backend.reduce(self, synced, local_bad)
                 agreed = opts.process_group is None and any(not e.sharded for e in synced)
         support = hooks.sharding_support()
-        if support is not None and j.entries and support.model_sharded(j.index):
+        if support is not None and (j.entries or j.rows) and support.model_sharded(j.index):
             # sharding hook: the ranks of a sharded model hold one model between them, so they skip or
             # raise together (one small all-reduce, unless the sync above carried it), and no write may
             # go into a parameter whose memory FSDP has freed.
             self._guard_storage()
             if opts.check_finite and not agreed:
-                ok = _all_finite([e.value for e in j.entries.values() if e.value is not None] + grads)
+                ok = _finite_flag(_pending_values(j) + grads)
                 remote_bad = support.agree_nonfinite(self, ok is not None and not bool(ok))
         if opts.check_finite:
-            bad, bad_grads = _nonfinite(j.entries.values(), grads)
+            bad, bad_grads = _nonfinite(j, grads)
             if bad_grads and not bad and not remote_bad and self._scaler() is not None:
                 # a scaled gradient overflowed: the scaler's business (torch.amp.GradScaler semantics)
                 self.skipped = True
@@ -247,7 +245,10 @@ class Commit:
         """Refuse the commit (before any write) if a target's memory does not cover it: FSDP frees its
         unsharded parameters by resizing their storage to 0 bytes, and a write there would be a write
         into freed memory."""
-        for e in self.journal.entries.values():
+        j = self.journal
+        if any(not sharding.storage_ok(row[0]) for row in j.rows):
+            j.absorb()  # name the target below
+        for e in j.entries.values():
             if not sharding.storage_ok(e.target):
                 self._end("aborted")
                 raise UpdateError(
@@ -260,6 +261,12 @@ class Commit:
 
     def before_optimizer(self) -> None:
         """Check every declared rule (before any write), then apply phase ``before_grad``."""
+        j = self.journal
+        if self.rules and j.rows:
+            # a row's target written by a rule before its phase folds like any entry's: make rows entries
+            written = {id(t) for r in self.rules if r.phase != AFTER_STEP for t in r.tensors()}
+            if any(id(row[0]) in written for row in j.rows):
+                j.absorb()
         if self.rules:
             ctx = CommitContext(self)
             if self.ruleset is not None:
@@ -407,11 +414,16 @@ class Commit:
             for rule in self.rules:
                 if rule.phase == phase:
                     rows.extend(rule.rows(index))
-            for e, r in order:
-                if r.phase == phase:
-                    cond = "-" if r.cond is None else "when(tensor)"
-                    sync = f" sync={r.sync}" if r.sync else ""
-                    rows.append(ScheduleEntry(phase, e.name, r.op + sync, cond, str(r.origin)))
+            for item in order:
+                if len(item) == 2:  # an entry and its record (a row's item has 4 fields)
+                    e, r = item
+                    if r.phase == phase:
+                        cond = "-" if r.cond is None else "when(tensor)"
+                        sync = f" sync={r.sync}" if r.sync else ""
+                        rows.append(ScheduleEntry(phase, e.name, r.op + sync, cond, str(r.origin)))
+                elif phase == AUXILIARY:  # a row: (info, op, conditional, origin)
+                    cond = "when(tensor)" if item[2] else "-"
+                    rows.append(ScheduleEntry(phase, item[0].name, item[1], cond, str(item[3])))
         return rows
 
     # ------------------------------------------------------------------
@@ -433,12 +445,13 @@ class Commit:
                     self._dirty_pending.append(written)
                     rb.stage_done(not rule.infallible)
         j = self.journal
-        in_phase = j.by_phase.get(phase)
-        if not in_phase:
+        in_phase = j.by_phase.get(phase, ())
+        rows = j.rows if phase == AUXILIARY else ()
+        if not in_phase and not rows:
             j.done_phases.add(phase)
             return
-        fast_dst: list[torch.Tensor] = []
-        fast_src: list[torch.Tensor] = []
+        fast_dst: list[torch.Tensor] = [row[0] if type(row[0]) in _PLAIN else overlay.plain(row[0]) for row in rows]
+        fast_src: list[torch.Tensor] = [row[4] for row in rows]
         slow: list[Entry] = []
         self._flush_dirty()
         dirty = self._dirty
@@ -503,7 +516,15 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 # --- finiteness: one batched reduction ---------------------------------------------
-def _all_finite(values: list[torch.Tensor]) -> torch.Tensor | None:
+def _pending_values(j: Journal, unsynced: bool = False) -> list[torch.Tensor]:
+    """Every pending value of ``j`` (``unsynced``: but those of synced entries)."""
+    values = [e.value for e in j.entries.values() if e.value is not None and not (unsynced and e.sync is not None)]
+    if j.rows:
+        values.extend(row[4] for row in j.rows)
+    return values
+
+
+def _finite_flag(values: list[torch.Tensor]) -> torch.Tensor | None:
     """A 0-dim bool on the CPU: all of ``values`` finite (None if none is floating).
 
     The values are grouped by device and dtype in C; each floating group is reduced by one
@@ -542,13 +563,14 @@ def _grads(optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], list[t
     return params, grads
 
 
-def _nonfinite(entries: Any, grads: list[torch.Tensor] = ()) -> tuple[list[Entry], list[int]]:  # type: ignore[assignment]
+def _nonfinite(j: Journal, grads: list[torch.Tensor]) -> tuple[list[Entry], list[int]]:
     """The entries whose pending value is not finite, and the indices of the non-finite ``grads``
     (one batched check for all; per tensor only on failure)."""
-    entries = list(entries)
-    ok = _all_finite([e.value for e in entries if e.value is not None] + list(grads))
+    ok = _finite_flag(_pending_values(j) + grads)
     if ok is None or bool(ok):
         return [], []
+    j.absorb()  # name them: rows become entries
+    entries = list(j.entries.values())
     bad = [
         e
         for e in entries

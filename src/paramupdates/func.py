@@ -66,8 +66,9 @@ def functional_call(
     finally:
         if j in context.local.explicit:
             context.local.explicit.remove(j)
+        j.absorb()
+        updates = {e.name: e.value for e in j.entries.values() if e.value is not None}
         j.discard()
-    updates = {e.name: e.value for e in j.entries.values() if e.value is not None}
     return out, updates
 
 

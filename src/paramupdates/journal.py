@@ -88,7 +88,14 @@ class Journal:
         self.entries: dict[int, Entry] = {}
         self.aliases: dict[int, Entry] = {}  # id(pending value) -> its entry
         self.aliases_stale = False  # set when a compiled graph installed pending values
-        self.order: list[tuple[Entry, Record]] = []
+        # issue order: (entry, record) pairs, and (info, op, conditional, origin) for rows
+        self.order: list[Any] = []
+        # Rows: auxiliary updates whose values a module computed (pu.nn's statistics), of targets with
+        # nothing else pending, kept as one tuple each instead of an entry and a record (record_rows);
+        # made into entries when anything else touches them (absorb).
+        self.rows: list[tuple] = []
+        self.row_ids: dict[int, int] = {}  # id(target) and id(pending value) -> index into rows
+        self.row_ids_stale = False  # set when a compiled graph added rows
         self.by_phase: dict[str, list[Entry]] = {}  # phase -> the entries with records in it
         self.synced: list[Entry] = []  # the entries with a sync= update (distributed sync, rule 9)
         self.shown = False  # some pending value is shown (hide() has something to do)
@@ -114,6 +121,8 @@ class Journal:
         target of the model. ``compiling``: ``torch.compiler.is_compiling()``, if the caller knows it."""
         if compiling is None:
             compiling = torch.compiler.is_compiling()
+        if self.rows and self._in_rows(t, compiling):
+            self.absorb(compiling)
         if compiling:
             # id() of a pending value would make dynamo guard on it (a recompilation per step): identity
             for e in self.entries.values():
@@ -136,23 +145,68 @@ class Journal:
                 return e
         if not create:
             return None
+        reuse = self.reuse
+        if reuse is not None and not compiling:
+            e = reuse.get(id(t))
+            if (
+                e is not None
+                and e.target is t
+                and e.journal is None
+                and e.generation == self.index.generation
+                and e.trainable == self._trainable(t, compiling)
+            ):
+                e.value, e.records, e.phases, e.swapped, e.sync = None, [], set(), False, None
+                e.journal = self
+                self.entries[id(t)] = e
+                return e
         info = self.index.lookup(t)
         if info is None:
             return None
-        shows = overlay.shows_through(t, info.kind)
-        owner = info.owner if shows == overlay.BUFFER else None
         e = Entry(
             t,
             info.name,
             info,
             self._trainable(t, compiling),
-            shows,
-            None if owner is None else owner._buffers,
+            info.shows,
+            info.slots,
             info.attr,
             sharded=sharding.is_sharded(t),
+            generation=self.index.generation,
         )
         self.entries[id(t)] = e
+        if reuse is not None and not compiling:
+            e.journal = self
+            reuse[id(t)] = e
         return e
+
+    def _in_rows(self, t: torch.Tensor, compiling: bool) -> bool:
+        """Whether ``t`` is the target or the pending value of a row."""
+        if compiling:
+            return any(row[0] is t or row[4] is t for row in self.rows)
+        if self.row_ids_stale:
+            self.row_ids = {}
+            for i, row in enumerate(self.rows):
+                self.row_ids[id(row[0])] = self.row_ids[id(row[4])] = i
+            self.row_ids_stale = False
+        i = self.row_ids.get(id(t))
+        return i is not None and (self.rows[i][0] is t or self.rows[i][4] is t)
+
+    def absorb(self, compiling: bool | None = None) -> None:
+        """Make every row an entry with its record (in its place in the issue order)."""
+        if not self.rows:
+            return
+        if compiling is None:
+            compiling = torch.compiler.is_compiling()
+        rows, self.rows = self.rows, []
+        self.row_ids = {}
+        for t, _info, op, operand, value, pred, origin, pos in rows:
+            e = self.find(t, True, compiling)
+            assert e is not None and e.value is None  # a row's target has nothing else pending
+            rec = Record(op, operand, None, pred, AUXILIARY, None, origin)
+            # shown as the row was (after hide(), not at all): the overlay is not touched here
+            self._store(e, rec, value, compiling, pos, show=False)
+            if e.slots is not None and e.slots.get(e.attr) is value:
+                e.swapped = True
 
     def _trainable(self, t: torch.Tensor, compiling: bool) -> bool:
         """Whether the optimizer also updates ``t``: it requires grad and, when the step has an
@@ -284,8 +338,59 @@ class Journal:
             else:
                 self._store(e, Record(op, operand, None, pred, AUXILIARY, None, origin), new, compiling)
 
-    def _store(self, e: Entry, rec: Record, new: torch.Tensor, compiling: bool) -> None:
-        """Keep ``rec`` and make ``new`` the pending value."""
+    def record_rows(
+        self, updates: list[tuple[torch.Tensor, str, Any, torch.Tensor]], origin: Origin | str, compiling: bool
+    ) -> bool:
+        """Record auxiliary updates whose values the caller computed (``pu.nn``'s statistics), one
+        tuple each: the fast path of :meth:`record_computed`. False (nothing recorded) unless every
+        target is a buffer or a non-trainable parameter of the model with nothing pending, and no
+        recomputation, checkpointed segment, backward or committed auxiliary phase is in the way."""
+        if context.local.replay is not None or context.local.eager_log is not None or AUXILIARY in self.done_phases:
+            return False
+        if not compiling and (_graph_task_id() != -1 or (hooks.segment_probes and hooks.in_segment())):
+            return False
+        index = self.index
+        infos = []
+        for t, _op, _operand, _new in updates:
+            if t.requires_grad:
+                return False
+            if compiling:
+                if any(e.target is t or e.value is t for e in self.entries.values()) or (
+                    self.rows and self._in_rows(t, True)
+                ):
+                    return False
+            elif id(t) in self.entries or id(t) in self.aliases or (self.rows and self._in_rows(t, False)):
+                return False  # (a pending value: the general path finds its entry)
+            info = index.peek(t)  # (no rebuild of the index on a miss: the general path does that)
+            if info is None or info.shows == overlay.PARAM:
+                return False
+            infos.append(info)
+        cond = context.local.conditions[-1]
+        pred = cond if isinstance(cond, torch.Tensor) else None
+        rows, order, ids = self.rows, self.order, self.row_ids
+        for (t, op, operand, new), info in zip(updates, infos):
+            if new.requires_grad:
+                new = new.detach()
+            if pred is not None:
+                new = torch.where(pred, new, t)
+            row = (t, info, op, operand, new, pred, origin, len(order))
+            if compiling:
+                self.row_ids_stale = True
+            else:
+                ids[id(t)] = ids[id(new)] = len(rows)
+            rows.append(row)
+            order.append((info, op, pred is not None, origin))  # what the schedule shows (no tensors)
+            slots = info.slots
+            if slots is not None and slots.get(info.attr) is t:
+                slots[info.attr] = new  # read-your-writes through the module attribute (rule 1)
+        self.shown = True
+        return True
+
+    def _store(
+        self, e: Entry, rec: Record, new: torch.Tensor, compiling: bool, pos: int | None = None, show: bool = True
+    ) -> None:
+        """Keep ``rec`` and make ``new`` the pending value (``pos``: its place in the issue order, if
+        it has one already; ``show``: show it to reads, see :meth:`set_value`)."""
         phase, sync = rec.phase, rec.sync
         e.records.append(rec)
         if phase not in e.phases:
@@ -297,11 +402,14 @@ class Journal:
         if sync is not None and e.sync is None:
             e.sync = sync
             self.synced.append(e)
-        self.order.append((e, rec))
-        self.set_value(e, new, compiling)
+        if pos is None:
+            self.order.append((e, rec))
+        else:
+            self.order[pos] = (e, rec)
+        self.set_value(e, new, compiling, show)
 
-    def set_value(self, e: Entry, new: torch.Tensor, compiling: bool | None = None) -> None:
-        """Make ``new`` what reads of ``e``'s target return."""
+    def set_value(self, e: Entry, new: torch.Tensor, compiling: bool | None = None, show: bool = True) -> None:
+        """Make ``new`` ``e``'s pending value and (``show``) what reads of ``e``'s target return."""
         old = e.value
         e.value = new
         if compiling if compiling is not None else torch.compiler.is_compiling():
@@ -310,7 +418,7 @@ class Journal:
             if old is not None:
                 self.aliases.pop(id(old), None)
             self.aliases[id(new)] = e
-        if e.shows is not None:
+        if show and e.shows is not None:
             self.shown = True
             if overlay.show(e, new, e, old):
                 e.swapped = True
@@ -338,6 +446,11 @@ class Journal:
         if not self.shown:
             return
         self.shown = False
+        for row in self.rows:
+            t, info, value = row[0], row[1], row[4]
+            slots = info.slots
+            if slots is not None and slots.get(info.attr) is value:
+                slots[info.attr] = t
         for e in self.entries.values():
             slots = e.slots
             if slots is not None:  # overlay.hide, inlined: this loop runs over every target, every step
@@ -350,6 +463,12 @@ class Journal:
 
     def show_pending(self) -> None:
         """Show the values still pending (those of phases not committed yet) again."""
+        if self.rows and AUXILIARY not in self.done_phases:
+            for row in self.rows:
+                t, info, value = row[0], row[1], row[4]
+                if info.slots is not None and info.slots.get(info.attr) is t:
+                    info.slots[info.attr] = value
+            self.shown = True
         for e in self.entries.values():
             if e.value is not None and e.phases - self.done_phases:
                 self.set_value(e, e.value)
@@ -360,8 +479,15 @@ class Journal:
         self.close()
 
     def close(self) -> None:
-        """The step is over: its entries may serve the next one."""
+        """The step is over: its entries may serve the next one, and nothing here holds a pending value
+        any more (the last step's schedule keeps the journal: it must not keep a copy of the updated
+        tensors alive until the next step)."""
         self.state = "closed"
-        if self.reuse is not None:
-            for e in self.entries.values():
-                e.journal = None
+        self.rows = []
+        self.row_ids = {}
+        self.aliases = {}
+        for e in self.entries.values():
+            e.value = None
+            e.journal = None
+            for rec in e.records:
+                rec.operand = None  # (the schedule shows op, condition and origin only)

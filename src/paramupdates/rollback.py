@@ -127,10 +127,9 @@ class Rollback:
     ``enabled=False`` (the default: ``copy_for_rollback=False``) takes none.
     """
 
-    def __init__(self, enabled: bool, pool: SnapshotPool | None, owner: Any) -> None:
+    def __init__(self, enabled: bool, pool: SnapshotPool | None) -> None:
         self.enabled = enabled
         self.pool = pool
-        self.owner = owner  # the commit, holder of the pool's kept buffers
         self.fallible_left = 1 << 30
         self._protected: set[int] = set()
         self._snapshots: Copies = []
@@ -170,7 +169,7 @@ class Rollback:
             return
         seen.update(map(id, fresh))
         fresh = sharding.locals_of(fresh)  # sharding hook: a DTensor is copied (and restored) through its local shard
-        pool = self.pool if self.pool is not None and self.pool.claim(self.owner) else None
+        pool = self.pool if self.pool is not None and self.pool.claim(self) else None  # (one commit, one Rollback)
         with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
             self._snapshots.extend(copies_of(pool, fresh))
 
@@ -218,4 +217,4 @@ class Rollback:
         self._rules = []
         self._applied = set()
         if self.pool is not None:
-            self.pool.end_commit(self.owner)
+            self.pool.end_commit(self)

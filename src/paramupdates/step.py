@@ -483,6 +483,15 @@ class Attachment(_Owner):
         self.journal = Journal(self.index, self.optimizer, self.label, self._reuse())
         return self.journal, self.journal.find(t, True, compiling)
 
+    def journal_for(self, t: torch.Tensor, compiling: bool = False) -> Journal | None:
+        """The journal that records updates of ``t`` if this model has it as a parameter or buffer
+        (the index as built, no rebuild), opening a step if none is open; else None."""
+        if self.index.peek(t) is None:
+            return None
+        if self.journal is None:
+            self.journal = Journal(self.index, self.optimizer, self.label, self._reuse())
+        return self.journal
+
     def _owned_elsewhere(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is known (without rebuilding any index) to belong to another model only.
 
@@ -553,7 +562,6 @@ class Attachment(_Owner):
             c.before_optimizer()
             c.rollback.protect_optimizer(optimizer, all_params=False)
             c.optimizer_starting()
-            self.journal.show_pending()
         except BaseException as exc:
             self._abort(exc)
             raise

@@ -121,6 +121,10 @@ def issue_computed(
         return
     compiling = torch.compiler.is_compiling()
     origin = capture(depth, compiling)
+    if sync is None:
+        j = journal_for(updates[0][0], compiling)
+        if j is not None and j.record_rows(updates, origin, compiling):
+            return  # the fast path: nothing else pending for these targets
     j, e = route(updates[0][0], origin, updates[0][1], compiling)
     if j is None or e is None:  # outside a step: the eager path, with its checks
         for target, _op, _operand, new in updates:
@@ -134,6 +138,19 @@ def issue_computed(
         else:
             items.append((other, op, operand, new))
     j.record_computed(items, sync, origin, compiling)
+
+
+def journal_for(t: torch.Tensor, compiling: bool) -> Journal | None:
+    """The journal of the step whose model has ``t`` as a parameter or buffer (its index as built,
+    no rebuild), or None: a cheap look-up for :func:`issue_computed`'s fast path."""
+    for j in reversed(context.local.explicit):
+        if j.index.peek(t) is not None:
+            return j
+    for att in context.attachments:
+        j = att.journal_for(t, compiling)
+        if j is not None:
+            return j
+    return None
 
 
 def route(

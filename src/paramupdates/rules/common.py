@@ -65,12 +65,21 @@ def named_tensors(obj: Any, fn: str) -> Named:
 
 
 def refuse_inside_step(fn: str, origin: str, tensors: Iterable[torch.Tensor] = ()) -> None:
-    """Refuse to declare a rule on ``tensors`` while updates to any of them are pending: a rule is
-    declared on committed values. Steps of other threads, and steps and attachments whose pending
-    updates touch other tensors (a forgotten attachment of another model), are no obstacle."""
+    """Refuse to declare a rule on ``tensors`` inside a step of their model (this thread's
+    ``pu.step``: declare rules before training or between steps) or while an attachment has
+    updates of them pending: a rule is declared on committed values. Steps of other threads and of
+    other models, and attachments whose pending updates touch other tensors (a forgotten attachment
+    of another model), are no obstacle."""
+    tensors = list(tensors)
     ids = {id(t) for t in tensors}
     if not ids:
         return
+    for j in context.local.explicit:
+        if j.index.owns_any(tensors):
+            raise UpdateError(
+                f"{fn} at {origin} was called inside {j.label}, a step of the model it is declared on. "
+                "Declare rules before training (or between steps)."
+            )
     owners = [(j.label, j, None) for j in context.local.explicit]
     owners += [(a.label, a.journal, a) for a in context.attachments if a.journal is not None]
     for label, j, att in owners:

@@ -244,10 +244,11 @@ def test_nonfinite_gradient_with_check_finite_false_reaches_the_optimizer():
 
 # --- row 1: an optimizer step taken inside a step that owns it --------------------------------------
 def _line_of(marker: str) -> int:
-    import inspect
-
-    src, start = inspect.getsourcelines(inspect.currentframe().f_back.f_code)
-    return start + next(i for i, line in enumerate(src) if marker in line)
+    """The line of this file that holds ``marker`` (once)."""
+    with open(__file__) as f:
+        lines = [i for i, line in enumerate(f, 1) if "# " + marker in line]
+    assert len(lines) == 1, marker
+    return lines[0]
 
 
 @pytest.mark.parametrize("attached", [False, True])
@@ -392,3 +393,61 @@ def test_reattaching_names_the_first_attachment():
         match=rf"already attached \(pu.attach\(BNNet\) at tests/test_misuse.py:{_line_of('MARK: first')}\).*detach\(\)",
     ):
         pu.attach(m, opt)
+
+
+# --- row 8: the same rule declared twice ---------------------------------------------------------------
+def _decay_twice_run(redeclare):
+    torch.manual_seed(0)
+    m = BNNet()
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    for _ in range(1 + redeclare):  # a re-run notebook cell
+        pu.weight_decay(m, 0.1)  # MARK: the cell
+        pu.constrain(m.lin.weight, pu.max_norm(0.5))
+    with pu.step(m, opt) as s:
+        m(torch.randn(8, 4)).square().sum().backward()
+    return m, s
+
+
+def test_declaring_a_rule_again_replaces_it_with_a_warning():
+    once, s1 = _decay_twice_run(False)
+    with pytest.warns(UserWarning) as record:
+        twice, s2 = _decay_twice_run(True)
+    assert_same(snapshot(once), snapshot(twice))  # applied once, not twice
+    assert str(s1.schedule()) == str(s2.schedule())  # one weight decay, one max_norm
+    msgs = [str(w.message) for w in record]
+    line = _line_of("MARK: the cell")
+    wd = [m for m in msgs if m.startswith("pu.weight_decay declared")]
+    assert len(wd) == 1 and wd[0].count(f"tests/test_misuse.py:{line}") == 2 and "'lin.weight'" in wd[0]
+    mn = [m for m in msgs if m.startswith("pu.constrain(max_norm) declared")]
+    assert len(mn) == 1 and mn[0].count(f"tests/test_misuse.py:{line + 1}") == 2
+    assert all(w.filename.endswith("test_misuse.py") for w in record)  # points at the user's line
+
+
+def test_a_later_rule_takes_over_only_the_tensors_it_shares():
+    m = BNNet()
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    w0, g0 = m.lin.weight.detach().clone(), m.bn.weight.detach().clone()
+    pu.weight_decay(m, 0.1, exclude=None)  # every parameter
+    with pytest.warns(UserWarning, match=r"on 'lin.weight', 'lin.bias':"):
+        pu.weight_decay(m.lin, 0.2, exclude=None)  # lin's: the later rate wins there
+    pu.constrain(m.lin.weight, pu.non_neg())  # another kind of constraint: both apply
+    pu.constrain(m.lin.weight, pu.clamp(-10.0, 10.0))
+    for p in m.parameters():
+        p.grad = torch.zeros_like(p)
+    with pu.step(m, opt):
+        pass
+    assert torch.equal(m.bn.weight, g0 * (1 - 0.5 * 0.1))
+    assert torch.equal(m.lin.weight, (w0 * (1 - 0.5 * 0.2)).clamp_min(0))
+
+
+def test_two_emas_of_one_model_with_other_settings_are_kept():
+    m = BNNet()
+    a = pu.ema(m, 0.9)
+    b = pu.ema(m, 0.5)
+    with pytest.warns(UserWarning, match="pu.ema declared at .* replaces the pu.ema declared at"):
+        c = pu.ema(m, 0.9)  # the first one again
+    from paramupdates.rules import base, ema
+
+    assert {ema.rule_of(b), ema.rule_of(c)} == {r for r in base.declared()}
+    with pytest.raises(ValueError):
+        ema.rule_of(a)

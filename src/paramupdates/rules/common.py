@@ -173,6 +173,13 @@ class WeakList:
                 changed = True
         return changed
 
+    def keep(self, idx: list[int]) -> None:
+        """Keep only the tensors at positions ``idx`` (in order)."""
+        self._refs = [self._refs[i] for i in idx]
+        self.meta = [self.meta[i] for i in idx]
+        if self._names is not None:
+            self._names = [self._names[i] for i in idx]
+
     def live(self) -> list[torch.Tensor]:
         return [t for t in self.current() if t is not None]
 

@@ -106,6 +106,11 @@ class Constraint:
     def __repr__(self) -> str:
         return f"pu.{self.name}()"
 
+    def same_kind(self) -> Any:
+        """Constraints of one kind replace each other when declared again on a tensor
+        (``max_norm(3)`` then ``max_norm(2)``: the second); different kinds compose."""
+        return self.name
+
 
 class _Norm(Constraint):
     """``w * factor(n)`` with ``n`` the L2 norm over every dim but ``dim``."""
@@ -342,6 +347,14 @@ class CallableConstraint(Constraint):
     def __call__(self, w: torch.Tensor) -> torch.Tensor:
         return self.fn(w)
 
+    def same_kind(self) -> Any:
+        # the same function, defined again (a re-run cell): where it is defined, not the object
+        fn = getattr(self.fn, "func", self.fn)  # (functools.partial)
+        code = getattr(fn, "__code__", None)
+        if code is not None:
+            return (code.co_filename, code.co_firstlineno, getattr(fn, "__qualname__", ""))
+        return (type(fn).__module__, type(fn).__qualname__)
+
     def __repr__(self) -> str:
         return f"constrain({self.name})"
 
@@ -416,6 +429,20 @@ class Constrain(Rule):
 
     def alive(self) -> bool:
         return self._tensors.alive()
+
+    def same_kind(self) -> Any:
+        return ("constrain", self.constraint.same_kind())
+
+    def describe(self) -> str:
+        return f"pu.constrain({self.constraint.name})"
+
+    def drop(self, ids: set[int]) -> bool:
+        keep = [i for i, t in enumerate(self._tensors.current()) if t is None or id(t) not in ids]
+        self.names = [self.names[i] for i in keep]
+        self._tensors.keep(keep)
+        self._key = None  # plan again
+        self._live = []
+        return not keep
 
     def check(self, ctx: CommitContext) -> None:
         ts = self._tensors.live()

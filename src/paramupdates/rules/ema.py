@@ -260,6 +260,20 @@ class EMA(Rule):
         self.refresh()
         return self._src
 
+    def same_kind(self) -> Any:
+        # an EMA of the same model with the same settings (several EMAs of one model with other
+        # decays are a pattern; an EMA of a submodule is another kind)
+        w = self.warmup
+        code = getattr(w, "__code__", None)
+        warmup = (code.co_filename, code.co_firstlineno) if code is not None else w if not callable(w) else id(w)
+        return ("ema", id(self._model()), self.decay, warmup, self.include_buffers, self._dtype, self._device)
+
+    def describe(self) -> str:
+        return "pu.ema"
+
+    def names_of(self, ids: set[int]) -> list[str]:
+        return [f"the {len(self.names)} tensors of {type(self._model()).__name__}"]
+
     def tensors(self) -> list[torch.Tensor]:
         return self._dst
 

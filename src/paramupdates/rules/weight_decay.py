@@ -113,6 +113,20 @@ class WeightDecay(Rule):
     def alive(self) -> bool:
         return self._tensors.alive()
 
+    def same_kind(self) -> Any:
+        return "weight_decay"  # two decays of one tensor are never meant
+
+    def describe(self) -> str:
+        return "pu.weight_decay"
+
+    def drop(self, ids: set[int]) -> bool:
+        keep = [i for i, t in enumerate(self._tensors.current()) if t is None or id(t) not in ids]
+        self.names = [self.names[i] for i in keep]
+        self.rates = [self.rates[i] for i in keep]
+        self._tensors.keep(keep)
+        self._key = None  # plan again
+        return not keep
+
     # --- plan ------------------------------------------------------------------
     def check(self, ctx: CommitContext) -> None:
         opt = ctx.optimizer

@@ -451,3 +451,95 @@ def test_two_emas_of_one_model_with_other_settings_are_kept():
     assert {ema.rule_of(b), ema.rule_of(c)} == {r for r in base.declared()}
     with pytest.raises(ValueError):
         ema.rule_of(a)
+
+
+# --- row 9: state_dict() and deepcopy inside a step --------------------------------------------------
+class Mixed(nn.Module):
+    """Every kind of target: a pu.Parameter, a plain parameter, buffers (statistics rows and entries)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = BNNet()
+        self.scale = pu.Parameter(torch.ones(4), auxiliary=True)
+        self.frozen = nn.Parameter(torch.zeros(4), requires_grad=False)
+
+    def forward(self, x):
+        y = self.net(x) * self.scale
+        self.scale.assign(self.scale * 0.5)
+        pu.assign_add(self.frozen, 1.0)
+        return y
+
+
+def _committed(m):
+    return [(k, v.detach().clone()) for k, v in m.state_dict().items()]
+
+
+@pytest.mark.parametrize("use", ["step", "attach"])
+def test_state_dict_and_deepcopy_inside_a_step_hold_committed_values(use):
+    import copy
+
+    m = Mixed()
+    opt = torch.optim.SGD(m.net.parameters(), lr=0.1)
+    att = pu.attach(m, opt) if use == "attach" else None
+    with pu.step(m, opt) if use == "step" else contextlib_nullcontext():
+        m(torch.randn(8, 4)).square().sum().backward()
+    committed = _committed(m)
+    stored = {k: v for k, v in m.state_dict(keep_vars=True).items()}
+    with pu.step(m, opt) if use == "step" else contextlib_nullcontext():
+        m(torch.randn(8, 4)).square().sum().backward()
+        # reads see the pending values ...
+        assert int(m.net.calls) == 2 and torch.equal(pu.read(m.frozen), torch.full((4,), 2.0))
+        assert torch.equal(m.scale, torch.full((4,), 0.25))
+        # ... serialization never does
+        assert_same(committed, list(m.state_dict().items()))
+        kept = m.state_dict(keep_vars=True)
+        assert all(kept[k] is stored[k] for k in stored)  # the stored tensors themselves
+        sub = [(k, v) for k, v in committed if k.startswith("net.")]
+        assert_same(sub, list(m.net.state_dict(prefix="net.").items()))  # a submodule's too
+        twin = copy.deepcopy(m)
+        assert_same(committed, list(twin.state_dict().items()))
+        assert type(twin.scale) is pu.Parameter
+        # a pending value read, then copied, is the pending value
+        assert int(copy.deepcopy(m.net.calls)) == 2
+        mean = m.net.bn.running_mean
+        assert torch.equal(copy.deepcopy(mean), mean)
+    if att is not None:
+        opt.step()
+    assert int(m.net.calls) == 2
+
+
+def test_a_checkpoint_saved_inside_a_step_resumes_without_counting_the_batch_twice(tmp_path):
+    xs = [torch.randn(8, 4) for _ in range(3)]
+    torch.manual_seed(3)
+    m = Mixed()
+    init = copy_state(m)
+    opt = torch.optim.SGD(m.net.parameters(), lr=0.1)
+    for i, x in enumerate(xs):
+        with pu.step(m, opt):
+            m(x).square().sum().backward()
+            if i == 1:
+                torch.save({"model": m.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
+        opt.zero_grad()
+    # resume: the checkpoint holds the state before batch 1; batches 1 and 2 run again
+    r = Mixed()
+    r.load_state_dict(init)
+    ropt = torch.optim.SGD(r.net.parameters(), lr=0.1)
+    ckpt = torch.load(tmp_path / "ckpt.pt")
+    r.load_state_dict(ckpt["model"])
+    ropt.load_state_dict(ckpt["opt"])
+    for x in xs[1:]:
+        with pu.step(r, ropt):
+            r(x).square().sum().backward()
+        ropt.zero_grad()
+    assert_same(snapshot(m), snapshot(r))
+    assert int(r.net.calls) == 3
+
+
+def copy_state(m):
+    return {k: v.clone() for k, v in m.state_dict().items()}
+
+
+def contextlib_nullcontext():
+    import contextlib
+
+    return contextlib.nullcontext()

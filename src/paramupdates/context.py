@@ -54,6 +54,10 @@ class Local(threading.local):
 local = Local()
 """This thread's steps, commits, conditions, replay and eager log."""
 
+steps: list[Journal] = []
+"""Every explicit step in progress, of every thread (what serialization and ``load_state_dict`` look at:
+a module's slots are shared between threads)."""
+
 attachments: list[Any] = []
 """Live attachments (``pu.attach``), in attach order. An attachment holds its model weakly and
 leaves this list when the model is collected."""
@@ -81,4 +85,5 @@ def reset() -> None:
     local.replay = None
     local.eager_log = None
     attachments.clear()
+    steps.clear()
     pu_pending.clear()

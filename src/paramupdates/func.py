@@ -59,6 +59,7 @@ def functional_call(
     """
     j = Journal(ModelIndex(module), None, "pu.func.functional_call")
     context.local.explicit.append(j)
+    context.steps.append(j)
     try:
         out = torch.func.functional_call(
             module, parameter_and_buffer_dicts, args, kwargs, tie_weights=tie_weights, strict=strict
@@ -66,6 +67,8 @@ def functional_call(
     finally:
         if j in context.local.explicit:
             context.local.explicit.remove(j)
+        if j in context.steps:
+            context.steps.remove(j)
         j.absorb()
         updates = {e.name: e.value for e in j.entries.values() if e.value is not None}
         j.discard()

@@ -423,6 +423,21 @@ class Journal:
             if overlay.show(e, new, e, old):
                 e.swapped = True
 
+    def stored_of(self, v: torch.Tensor) -> tuple[torch.Tensor, dict | None] | None:
+        """``(target, buffer slots)`` when ``v`` is the pending value of one of this step's targets,
+        else None (for serialization: the stored tensor stands for its pending value)."""
+        if self.aliases_stale:
+            self.aliases = {id(x.value): x for x in self.entries.values() if x.value is not None}
+            self.aliases_stale = False
+        e = self.aliases.get(id(v))
+        if e is not None and e.value is v:
+            return e.target, e.slots
+        if self.rows and self._in_rows(v, False):
+            row = self.rows[self.row_ids[id(v)]]
+            if row[4] is v:
+                return row[0], row[1].slots
+        return None
+
     def current_of(self, e: Entry) -> torch.Tensor:
         """What a read of ``e``'s target sees now: its pending value, or the value a checkpoint
         recomputation shows (``context.local.replay``)."""

@@ -246,6 +246,7 @@ class Stepper(_Owner):
         j = Journal(self.index, self.optimizer, f"pu.step at {site}", self._reuse())
         self._journal = j
         context.local.explicit.append(j)
+        context.steps.append(j)
         if self.optimizer is not None:
             self._foreign = _refuse_foreign_steps(self.optimizer, j)
         return j
@@ -253,6 +254,8 @@ class Stepper(_Owner):
     def _close(self, j: Journal) -> None:
         if context.local.explicit and context.local.explicit[-1] is j:
             context.local.explicit.pop()
+        if j in context.steps:
+            context.steps.remove(j)
         self._journal = None
         if self._foreign is not None:
             self._foreign.remove()

@@ -62,6 +62,8 @@ class ModelIndex:
                     visit(mod, mod_name)  # e.g. transformed parameters (rule 10): recognise a parametrization's outputs
                 prefix = f"{mod_name}." if mod_name else ""
                 mref = weakref.ref(mod)
+                if mod._buffers or mod._parameters:
+                    overlay.guard_module(mod)  # state_dict() saves stored values inside a step
                 for kind, table in (("parameter", mod._parameters), ("buffer", mod._buffers)):
                     for attr, t in table.items():
                         if t is not None and id(t) not in by_id:

@@ -161,7 +161,7 @@ class Commit:
                 # unsynced values rides along, so all ranks decide alike.
                 local_bad = False
                 if opts.check_finite:
-                    ok = _finite_flag(_pending_values(j, unsynced=True))
+                    ok = _finite_flag(_pending_values(j, unsynced=True), j.any_sharded)
                     local_bad = ok is not None and not bool(ok)
                 remote_bad = backend.reduce(self, synced, local_bad)
                 agreed = opts.process_group is None and any(not e.sharded for e in synced)
@@ -172,7 +172,7 @@ class Commit:
             # go into a parameter whose memory FSDP has freed.
             self._guard_storage()
             if opts.check_finite and not agreed:
-                ok = _finite_flag(_pending_values(j))
+                ok = _finite_flag(_pending_values(j), j.any_sharded)
                 remote_bad = support.agree_nonfinite(self, ok is not None and not bool(ok))
         if opts.check_finite:
             bad = _nonfinite(j)
@@ -395,12 +395,12 @@ class Commit:
                     rb.stage_done(not rule.infallible)
         j = self.journal
         in_phase = j.by_phase.get(phase, ())
-        rows = j.rows if phase == AUXILIARY else ()
+        rows = phase == AUXILIARY and j.rows
         if not in_phase and not rows:
             j.done_phases.add(phase)
             return
-        fast_dst: list[torch.Tensor] = [row[0] if type(row[0]) in _PLAIN else overlay.plain(row[0]) for row in rows]
-        fast_src: list[torch.Tensor] = [row[4] for row in rows]
+        fast_dst: list[torch.Tensor] = j.row_dst[:] if rows else []
+        fast_src: list[torch.Tensor] = j.row_src[:] if rows else []
         slow: list[Entry] = []
         self._flush_dirty()
         dirty = self._dirty
@@ -469,36 +469,56 @@ def _pending_values(j: Journal, unsynced: bool = False) -> list[torch.Tensor]:
     """Every pending value of ``j`` (``unsynced``: but those of synced entries)."""
     values = [e.value for e in j.entries.values() if e.value is not None and not (unsynced and e.sync is not None)]
     if j.rows:
-        values.extend(row[4] for row in j.rows)
+        values.extend(j.row_src)
     return values
 
 
-def _finite_flag(values: list[torch.Tensor]) -> torch.Tensor | None:
-    """A 0-dim bool on the CPU: all of ``values`` finite (None if none is floating).
+def _finite_flag(values: list[torch.Tensor], sharded: bool = False) -> torch.Tensor | None:
+    """A 0-dim bool on the CPU: all of ``values`` finite (None if none is floating); ``sharded``: some
+    may be DTensors (their local shards are checked).
 
-    The values are grouped by device and dtype in C; each floating group is reduced by one
-    ``torch._foreach_norm(inf)``; one host sync for all.
+    The values are grouped by device and dtype in C; each floating group is checked in a few
+    kernels (:func:`_group_finite`); one host sync for all.
     """
     if not values:
         return None
     flags = []
     with torch.no_grad():
-        vals = sharding.locals_of(values)
-        if not all(map(torch.Tensor.numel, vals)):
-            # an empty tensor (an empty local shard: a rank past the last chunk of an uneven Shard) has
-            # nothing to check, and _foreach_norm(inf) refuses it
-            vals = [v for v in vals if v.numel()]
+        vals = values
+        if sharded:
+            vals = sharding.locals_of(values)
+            if not all(map(torch.Tensor.numel, vals)):
+                # an empty tensor (an empty local shard: a rank past the last chunk of an uneven Shard) has
+                # nothing to check, and _foreach_norm(inf) refuses it
+                vals = [v for v in vals if v.numel()]
         for (_dev, dt), ([ts], _) in _group_tensors_by_device_and_dtype([vals]).items() if vals else ():
             if dt.is_floating_point or dt.is_complex:
-                flags.append(torch.stack(torch._foreach_norm(ts, math.inf)).isfinite().all().cpu())
+                flags.append(_group_finite(ts).cpu())
     if not flags:
         return None
     return flags[0] if len(flags) == 1 else torch.stack(flags).all()
 
 
+CAT_NUMEL = 1 << 22
+"""Up to this many elements, a group of values is checked as one concatenation (a copy: cheaper than a
+kernel per tensor, measured 3-7x for 100 tensors of 16 to 256 elements on CPU); above, per tensor, with
+no copy (``torch._foreach_norm(inf)``)."""
+
+
+def _group_finite(ts: list[torch.Tensor]) -> torch.Tensor:
+    """A 0-dim bool: every element of ``ts`` (one device and dtype) is finite."""
+    if sum(map(torch.Tensor.numel, ts)) <= CAT_NUMEL:
+        if all(t.dim() == 1 for t in ts):
+            return torch.cat(ts).isfinite().all()
+        chunk_cat = getattr(torch, "_chunk_cat", None)
+        if chunk_cat is not None:
+            return chunk_cat([t if t.dim() else t.reshape(1) for t in ts], 0, 1).isfinite().all()
+    return torch.stack(torch._foreach_norm(ts, math.inf)).isfinite().all()
+
+
 def _nonfinite(j: Journal) -> list[Entry]:
     """The entries whose pending value is not finite (one batched check; per entry only on failure)."""
-    ok = _finite_flag(_pending_values(j))
+    ok = _finite_flag(_pending_values(j), j.any_sharded)
     if ok is None or bool(ok):
         return []
     j.absorb()  # name them: rows become entries

@@ -114,6 +114,17 @@ class Commit:
         self._dirty: set[int] = set()
         self._dirty_pending: list[list[torch.Tensor]] = []
         self._hidden_grads: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
+        self._row_groups: dict | None = None  # the journal's rows grouped by device and dtype (once a commit)
+
+    def _rows_grouped(self) -> dict | None:
+        """The journal's rows, ``_group_tensors_by_device_and_dtype([dst, src])``: for the finiteness
+        check and the auxiliary phase's copies alike (grouped once)."""
+        j = self.journal
+        if not j.rows:
+            return None
+        if self._row_groups is None:
+            self._row_groups = _group_tensors_by_device_and_dtype([j.row_dst, j.row_src])
+        return self._row_groups
 
     # ------------------------------------------------------------------
     # the sequence
@@ -155,6 +166,7 @@ class Commit:
         # The gradients the optimizer will use are checked with the pending values (validated
         # commit, rule 7): as torch.amp.GradScaler does, in the same batched reduction.
         params, grads = _grads(self.optimizer) if opts.check_finite and self.optimizer is not None else ([], [])
+        sharded = j.any_sharded or sharding.any_sharded(grads)
         synced = j.synced
         remote_bad = 0
         agreed = False  # every rank of the group learnt how many ranks have non-finite pending values
@@ -166,7 +178,7 @@ class Commit:
                 # unsynced values rides along, so all ranks decide alike.
                 local_bad = False
                 if opts.check_finite:
-                    ok = _finite_flag(_pending_values(j, unsynced=True) + grads)
+                    ok = _finite_flag(_pending_values(j, unsynced=True) + grads, sharded, self._rows_grouped())
                     local_bad = ok is not None and not bool(ok)
                 remote_bad = backend.reduce(self, synced, local_bad)
                 agreed = opts.process_group is None and any(not e.sharded for e in synced)
@@ -177,10 +189,10 @@ class Commit:
             # go into a parameter whose memory FSDP has freed.
             self._guard_storage()
             if opts.check_finite and not agreed:
-                ok = _finite_flag(_pending_values(j) + grads)
+                ok = _finite_flag(_pending_values(j) + grads, sharded, self._rows_grouped())
                 remote_bad = support.agree_nonfinite(self, ok is not None and not bool(ok))
         if opts.check_finite:
-            bad, bad_grads = _nonfinite(j, grads)
+            bad, bad_grads = _nonfinite(j, self._rows_grouped(), grads, sharded)
             if bad_grads and not bad and not remote_bad and self._scaler() is not None:
                 # a scaled gradient overflowed: the scaler's business (torch.amp.GradScaler semantics)
                 self.skipped = True
@@ -371,6 +383,7 @@ class Commit:
 
     def _end(self, state: str) -> None:
         self.state = state
+        self._row_groups = None
         self.journal.close()
         self.rollback.end()
 
@@ -446,12 +459,12 @@ class Commit:
                     rb.stage_done(not rule.infallible)
         j = self.journal
         in_phase = j.by_phase.get(phase, ())
-        rows = j.rows if phase == AUXILIARY else ()
+        rows = phase == AUXILIARY and j.rows
         if not in_phase and not rows:
             j.done_phases.add(phase)
             return
-        fast_dst: list[torch.Tensor] = [row[0] if type(row[0]) in _PLAIN else overlay.plain(row[0]) for row in rows]
-        fast_src: list[torch.Tensor] = [row[4] for row in rows]
+        fast_dst: list[torch.Tensor] = []
+        fast_src: list[torch.Tensor] = []
         slow: list[Entry] = []
         self._flush_dirty()
         dirty = self._dirty
@@ -468,8 +481,11 @@ class Commit:
             else:
                 slow.append(e)
         if rb.enabled:
-            rb.protect(fast_dst + [_raw(e) for e in slow])
+            rb.protect(fast_dst + [_raw(e) for e in slow] + (j.row_dst if rows else []))
         with torch.no_grad():
+            if rows:
+                for _k, ([dst, src], _) in self._rows_grouped().items():  # type: ignore[union-attr]
+                    torch._foreach_copy_(dst, src)
             if fast_dst:
                 if len(fast_dst) == 1:
                     fast_dst[0].copy_(fast_src[0])
@@ -517,34 +533,57 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 # --- finiteness: one batched reduction ---------------------------------------------
 def _pending_values(j: Journal, unsynced: bool = False) -> list[torch.Tensor]:
-    """Every pending value of ``j`` (``unsynced``: but those of synced entries)."""
-    values = [e.value for e in j.entries.values() if e.value is not None and not (unsynced and e.sync is not None)]
-    if j.rows:
-        values.extend(row[4] for row in j.rows)
-    return values
+    """Every pending value of ``j``'s entries (``unsynced``: but those of synced entries; rows: see
+    ``Commit._row_groups``)."""
+    return [e.value for e in j.entries.values() if e.value is not None and not (unsynced and e.sync is not None)]
 
 
-def _finite_flag(values: list[torch.Tensor]) -> torch.Tensor | None:
-    """A 0-dim bool on the CPU: all of ``values`` finite (None if none is floating).
+def _finite_flag(values: list[torch.Tensor], sharded: bool = False, grouped: dict | None = None) -> torch.Tensor | None:
+    """A 0-dim bool on the CPU: all of ``values`` finite (None if none is floating); ``sharded``: some
+    may be DTensors (their local shards are checked); ``grouped``: more values, already grouped by
+    ``_group_tensors_by_device_and_dtype([dst, src])`` (the rows' commit groups: their ``src``).
 
-    The values are grouped by device and dtype in C; each floating group is reduced by one
-    ``torch._foreach_norm(inf)``; one host sync for all.
+    The values are grouped by device and dtype in C; each floating group is checked in a few
+    kernels (:func:`_group_finite`); one host sync for all.
     """
-    if not values:
-        return None
     flags = []
     with torch.no_grad():
-        vals = sharding.locals_of(values)
-        if not all(map(torch.Tensor.numel, vals)):
-            # an empty tensor (an empty local shard: a rank past the last chunk of an uneven Shard) has
-            # nothing to check, and _foreach_norm(inf) refuses it
-            vals = [v for v in vals if v.numel()]
+        vals = values
+        if sharded and vals:
+            vals = sharding.locals_of(values)
+            if not all(map(torch.Tensor.numel, vals)):
+                # an empty tensor (an empty local shard: a rank past the last chunk of an uneven Shard) has
+                # nothing to check, and _foreach_norm(inf) refuses it
+                vals = [v for v in vals if v.numel()]
         for (_dev, dt), ([ts], _) in _group_tensors_by_device_and_dtype([vals]).items() if vals else ():
             if dt.is_floating_point or dt.is_complex:
-                flags.append(torch.stack(torch._foreach_norm(ts, math.inf)).isfinite().all().cpu())
+                flags.append(_group_finite(ts).cpu())
+        for (_dev, dt), ([_dst, ts], _) in grouped.items() if grouped else ():
+            if dt.is_floating_point or dt.is_complex:
+                flags.append(_group_finite(ts).cpu())
     if not flags:
         return None
     return flags[0] if len(flags) == 1 else torch.stack(flags).all()
+
+
+CAT_NUMEL = 1 << 22
+"""Up to this many elements, a group of values is checked as one concatenation (a copy: cheaper than a
+kernel per tensor, measured 3-7x for 100 tensors of 16 to 256 elements on CPU); above, per tensor, with
+no copy (``torch._foreach_norm(inf)``)."""
+
+
+def _group_finite(ts: list[torch.Tensor]) -> torch.Tensor:
+    """A 0-dim bool: every element of ``ts`` (one device and dtype) is finite."""
+    if sum(map(torch.Tensor.numel, ts)) <= CAT_NUMEL:
+        if ts[0].dim() == 1 and ts[-1].dim() == 1:
+            try:
+                return torch.cat(ts).isfinite().all()  # 1-D values (statistics): the fastest concatenation
+            except RuntimeError:
+                pass  # (some are not 1-D)
+        chunk_cat = getattr(torch, "_chunk_cat", None)
+        if chunk_cat is not None:
+            return chunk_cat([t if t.dim() else t.reshape(1) for t in ts], 0, 1).isfinite().all()
+    return torch.stack(torch._foreach_norm(ts, math.inf)).isfinite().all()
 
 
 _grad_of = torch._C.TensorBase.grad.__get__  # the C getter, mapped without a Python-level loop
@@ -563,10 +602,12 @@ def _grads(optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], list[t
     return params, grads
 
 
-def _nonfinite(j: Journal, grads: list[torch.Tensor]) -> tuple[list[Entry], list[int]]:
+def _nonfinite(
+    j: Journal, rows_grouped: dict | None, grads: list[torch.Tensor], sharded: bool
+) -> tuple[list[Entry], list[int]]:
     """The entries whose pending value is not finite, and the indices of the non-finite ``grads``
     (one batched check for all; per tensor only on failure)."""
-    ok = _finite_flag(_pending_values(j) + grads)
+    ok = _finite_flag(_pending_values(j) + grads, sharded, rows_grouped)
     if ok is None or bool(ok):
         return [], []
     j.absorb()  # name them: rows become entries

@@ -13,7 +13,7 @@ What belongs to objects rather than to a thread is global: the attachments
 (an attachment is found from its model's tensors, whichever thread issues
 the update) and the pending values shown by ``pu.Parameter`` objects.
 
-(``context.explicit``, ``context.conditions``, ... still read the calling
+(``context.local.explicit``, ``context.local.conditions``, ... still read the calling
 thread's values, for code written against the module attributes.)
 """
 
@@ -69,7 +69,7 @@ _PER_THREAD = frozenset({"explicit", "committing", "conditions", "replay", "eage
 
 
 def __getattr__(name: str) -> Any:
-    # ``context.explicit`` & co.: the calling thread's (read-only through this path)
+    # ``context.local.explicit`` & co.: the calling thread's (read-only through this path)
     if name in _PER_THREAD:
         return getattr(local, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

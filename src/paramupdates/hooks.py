@@ -113,8 +113,11 @@ def adopt_segment() -> EagerLog | None:
 
 
 def in_segment() -> bool:
-    """Whether some probe finds a checkpointed segment running."""
-    return any(probe.active() for probe in segment_probes.values())
+    """Whether some probe finds a checkpointed segment running (not asked while dynamo traces)."""
+    for probe in segment_probes.values():
+        if probe.active():
+            return True
+    return False
 
 
 # --- sync backend (distributed sync, rule 9) -----------------------------------------------------

@@ -29,6 +29,7 @@ from .phases import AUXILIARY, ISSUE_PHASES, RECORD_PHASES
 from .targets import ModelIndex, TargetInfo
 
 _graph_task_id = torch._C._current_graph_task_id
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 @dataclass(eq=False, slots=True)
@@ -94,11 +95,14 @@ class Journal:
         # nothing else pending, kept as one tuple each instead of an entry and a record (record_rows);
         # made into entries when anything else touches them (absorb).
         self.rows: list[tuple] = []
+        self.row_dst: list[torch.Tensor] = []  # per row, the target to write at commit (a plain tensor)
+        self.row_src: list[torch.Tensor] = []  # per row, its pending value
         self.row_ids: dict[int, int] = {}  # id(target) and id(pending value) -> index into rows
         self.row_ids_stale = False  # set when a compiled graph added rows
         self.by_phase: dict[str, list[Entry]] = {}  # phase -> the entries with records in it
         self.synced: list[Entry] = []  # the entries with a sync= update (distributed sync, rule 9)
         self.shown = False  # some pending value is shown (hide() has something to do)
+        self.any_sharded = False  # some entry's target is a DTensor (its values are checked through local shards)
         self.state = "open"  # open -> committing -> closed
         self.done_phases: set[str] = set()
         self._opt_ids: set[int] | None = None
@@ -158,6 +162,8 @@ class Journal:
                 e.value, e.records, e.phases, e.swapped, e.sync = None, [], set(), False, None
                 e.journal = self
                 self.entries[id(t)] = e
+                if e.sharded:
+                    self.any_sharded = True
                 return e
         info = self.index.lookup(t)
         if info is None:
@@ -174,6 +180,8 @@ class Journal:
             generation=self.index.generation,
         )
         self.entries[id(t)] = e
+        if e.sharded:
+            self.any_sharded = True
         if reuse is not None and not compiling:
             e.journal = self
             reuse[id(t)] = e
@@ -198,8 +206,8 @@ class Journal:
         if compiling is None:
             compiling = torch.compiler.is_compiling()
         rows, self.rows = self.rows, []
-        self.row_ids = {}
-        for t, _info, op, operand, value, pred, origin, pos in rows:
+        self.row_ids, self.row_dst, self.row_src = {}, [], []
+        for t, _info, op, operand, value, pred, origin, pos, _slots, _attr in rows:
             e = self.find(t, True, compiling)
             assert e is not None and e.value is None  # a row's target has nothing else pending
             rec = Record(op, operand, None, pred, AUXILIARY, None, origin)
@@ -349,40 +357,50 @@ class Journal:
             return False
         if not compiling and (_graph_task_id() != -1 or (hooks.segment_probes and hooks.in_segment())):
             return False
-        index = self.index
         infos = []
-        for t, _op, _operand, _new in updates:
-            if t.requires_grad:
-                return False
-            if compiling:
-                if any(e.target is t or e.value is t for e in self.entries.values()) or (
-                    self.rows and self._in_rows(t, True)
-                ):
+        if compiling:
+            for t, _op, _operand, _new in updates:
+                if t.requires_grad or any(e.target is t or e.value is t for e in self.entries.values()):
                     return False
-            elif id(t) in self.entries or id(t) in self.aliases or (self.rows and self._in_rows(t, False)):
-                return False  # (a pending value: the general path finds its entry)
-            info = index.peek(t)  # (no rebuild of the index on a miss: the general path does that)
-            if info is None or info.shows == overlay.PARAM:
-                return False
-            infos.append(info)
+                if self.rows and self._in_rows(t, True):
+                    return False
+                info = self.index.peek(t)
+                if info is None or info.shows == overlay.PARAM or sharding.is_sharded(t):
+                    return False
+                infos.append(info)
+        else:
+            # (one pass of dict look-ups: this runs for every batch norm of every step)
+            if self.row_ids_stale:
+                self._in_rows(updates[0][0], False)  # rebuilds row_ids
+            entries, aliases, ids, by_id = self.entries, self.aliases, self.row_ids, self.index.by_id
+            for t, _op, _operand, _new in updates:
+                k = id(t)
+                if t.requires_grad or k in entries or k in aliases or k in ids:
+                    return False  # pending already (or maybe: the general path finds out)
+                info = by_id.get(k)  # the index as built (no rebuild on a miss: the general path does that)
+                if info is None or info.ref() is not t or info.shows == overlay.PARAM or info.sharded:
+                    return False
+                infos.append(info)
         cond = context.local.conditions[-1]
         pred = cond if isinstance(cond, torch.Tensor) else None
-        rows, order, ids = self.rows, self.order, self.row_ids
+        rows, order, ids, dst, src = self.rows, self.order, self.row_ids, self.row_dst, self.row_src
         for (t, op, operand, new), info in zip(updates, infos):
             if new.requires_grad:
                 new = new.detach()
             if pred is not None:
                 new = torch.where(pred, new, t)
-            row = (t, info, op, operand, new, pred, origin, len(order))
+            slots, attr = info.slots, info.attr
+            row = (t, info, op, operand, new, pred, origin, len(order), slots, attr)
             if compiling:
                 self.row_ids_stale = True
             else:
                 ids[id(t)] = ids[id(new)] = len(rows)
             rows.append(row)
+            dst.append(t if type(t) in _PLAIN else overlay.plain(t))
+            src.append(new)
             order.append((info, op, pred is not None, origin))  # what the schedule shows (no tensors)
-            slots = info.slots
-            if slots is not None and slots.get(info.attr) is t:
-                slots[info.attr] = new  # read-your-writes through the module attribute (rule 1)
+            if slots is not None and slots.get(attr) is t:
+                slots[attr] = new  # read-your-writes through the module attribute (rule 1)
         self.shown = True
         return True
 
@@ -461,11 +479,10 @@ class Journal:
         if not self.shown:
             return
         self.shown = False
-        for row in self.rows:
-            t, info, value = row[0], row[1], row[4]
-            slots = info.slots
-            if slots is not None and slots.get(info.attr) is value:
-                slots[info.attr] = t
+        for row in self.rows:  # (t, info, op, operand, value, pred, origin, pos, slots, attr)
+            slots = row[8]
+            if slots is not None and slots.get(row[9]) is row[4]:
+                slots[row[9]] = row[0]
         for e in self.entries.values():
             slots = e.slots
             if slots is not None:  # overlay.hide, inlined: this loop runs over every target, every step
@@ -480,9 +497,9 @@ class Journal:
         """Show the values still pending (those of phases not committed yet) again."""
         if self.rows and AUXILIARY not in self.done_phases:
             for row in self.rows:
-                t, info, value = row[0], row[1], row[4]
-                if info.slots is not None and info.slots.get(info.attr) is t:
-                    info.slots[info.attr] = value
+                slots = row[8]
+                if slots is not None and slots.get(row[9]) is row[0]:
+                    slots[row[9]] = row[4]
             self.shown = True
         for e in self.entries.values():
             if e.value is not None and e.phases - self.done_phases:
@@ -498,7 +515,7 @@ class Journal:
         any more (the last step's schedule keeps the journal: it must not keep a copy of the updated
         tensors alive until the next step)."""
         self.state = "closed"
-        self.rows = []
+        self.rows, self.row_dst, self.row_src = [], [], []
         self.row_ids = {}
         self.aliases = {}
         for e in self.entries.values():

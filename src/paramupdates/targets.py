@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import hooks, overlay
+from . import hooks, overlay, sharding
 
 
 @dataclass(eq=False)
@@ -32,6 +32,7 @@ class TargetInfo:
     kind: str  # "parameter" or "buffer"
     shows: str | None = None
     slots: dict | None = None
+    sharded: bool = False  # a DTensor (FSDP2)
 
     @property
     def owner(self) -> nn.Module | None:
@@ -69,7 +70,9 @@ class ModelIndex:
                         if t is not None and id(t) not in by_id:
                             shows = overlay.shows_through(t, kind)
                             slots = mod._buffers if shows == overlay.BUFFER else None
-                            by_id[id(t)] = TargetInfo(weakref.ref(t), prefix + attr, mref, attr, kind, shows, slots)
+                            by_id[id(t)] = TargetInfo(
+                                weakref.ref(t), prefix + attr, mref, attr, kind, shows, slots, sharding.is_sharded(t)
+                            )
         old = self.by_id
         if by_id.keys() != old.keys() or any(
             old[k].ref() is not v.ref() or old[k].name != v.name for k, v in by_id.items()

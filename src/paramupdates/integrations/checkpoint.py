@@ -40,6 +40,7 @@ from ..replay import EagerLog, Segment
 __all__ = ["checkpoint"]
 
 _FORWARD_HOOK = "_checkpoint_hook.__init__.<locals>.pack_hook"
+_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _SEGMENT_ATTR = "_pu_segment"
 
 
@@ -61,7 +62,8 @@ class TorchCheckpointProbe:
     """The segment probe for plain ``torch.utils.checkpoint(..., use_reentrant=False)``."""
 
     def active(self) -> bool:
-        return not torch.compiler.is_compiling() and torch_checkpoint_frame() is not None
+        """(Called outside dynamo's tracing only: the core asks while it does not trace.)"""
+        return bool(_saved_tensors_hooks(True)) and torch_checkpoint_frame() is not None
 
     def adopt(self) -> EagerLog | None:
         """Called by the first update a segment issues in forward (and by every later one): notes

@@ -153,6 +153,15 @@ class Commit:
         j.state = "committing"
         j.hide()
         self.state = "begun"
+        changed = j.check_storage()
+        if changed:
+            self._end("aborted")
+            raise UpdateError(
+                f"{self.label}: {'; '.join(changed)} while updates to it were pending in this step "
+                "(model.to(), .half(), .cuda(), to_empty(), or .data = ... inside the step). Nothing of "
+                "the step was written; the model keeps the conversion, applied to the stored values. "
+                "Convert the model between steps: before the first update of a step, or after its commit."
+            )
         rules = rules_for(j.index)
         if self.optimizer is None:
             # rules that belong to the gradient update run once per real optimizer update (read-your-writes, rule 1)

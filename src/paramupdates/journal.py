@@ -29,6 +29,21 @@ from .phases import AUXILIARY, ISSUE_PHASES, RECORD_PHASES
 from .targets import ModelIndex, TargetInfo
 
 _graph_task_id = torch._C._current_graph_task_id
+_data_ptr = torch._C.TensorBase.data_ptr
+
+
+def _plain_view(t: torch.Tensor) -> torch.Tensor:
+    """A plain detached view of ``t``'s storage (a ``pu.Parameter``'s pending value not substituted)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return t.detach()
+
+
+def _where(t: Any) -> str:
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    return f"{str(t.dtype).removeprefix('torch.')} on {t.device}"
+
+
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -105,6 +120,8 @@ class Journal:
         self.any_sharded = False  # some entry's target is a DTensor (its values are checked through local shards)
         self.state = "open"  # open -> committing -> closed
         self.done_phases: set[str] = set()
+        self.changed: list[str] = []  # targets changed while updates to them were pending (hide())
+        self.watch = True  # check for such changes (pu.func's journal: torch.func swaps the slots itself)
         self._opt_ids: set[int] | None = None
 
     # ------------------------------------------------------------------
@@ -164,6 +181,8 @@ class Journal:
                 self.entries[id(t)] = e
                 if e.sharded:
                     self.any_sharded = True
+                if e.shows == overlay.PARAM:
+                    e.raw = _plain_view(t)  # its storage now (check_storage: replaced in the step?)
                 return e
         info = self.index.lookup(t)
         if info is None:
@@ -185,6 +204,8 @@ class Journal:
         if reuse is not None and not compiling:
             e.journal = self
             reuse[id(t)] = e
+        if e.shows == overlay.PARAM and not compiling and not e.sharded:
+            e.raw = _plain_view(t)  # its storage now (check_storage: replaced in the step?)
         return e
 
     def _in_rows(self, t: torch.Tensor, compiling: bool) -> bool:
@@ -441,6 +462,24 @@ class Journal:
             if overlay.show(e, new, e, old):
                 e.swapped = True
 
+    def pending_names(self) -> list[str]:
+        """The qualified names of the targets with pending updates."""
+        names = [e.name for e in self.entries.values() if e.value is not None]
+        names.extend(row[1].name for row in self.rows)
+        return names
+
+    def pending_name_of(self, t: torch.Tensor) -> str | None:
+        """The name of ``t`` if it is a target with pending updates, or the pending value of one."""
+        e = self.entries.get(id(t))
+        if e is not None and e.target is t and e.value is not None:
+            return e.name
+        found = self.stored_of(t)
+        if found is not None:
+            return self.pending_name_of(found[0])
+        if self.rows and self._in_rows(t, False):
+            return self.rows[self.row_ids[id(t)]][1].name
+        return None
+
     def stored_of(self, v: torch.Tensor) -> tuple[torch.Tensor, dict | None] | None:
         """``(target, buffer slots)`` when ``v`` is the pending value of one of this step's targets,
         else None (for serialization: the stored tensor stands for its pending value)."""
@@ -481,17 +520,67 @@ class Journal:
         self.shown = False
         for row in self.rows:  # (t, info, op, operand, value, pred, origin, pos, slots, attr)
             slots = row[8]
-            if slots is not None and slots.get(row[9]) is row[4]:
-                slots[row[9]] = row[0]
+            if slots is not None:
+                cur = slots.get(row[9])
+                if cur is row[4]:
+                    slots[row[9]] = row[0]
+                elif cur is not row[0]:
+                    self._replaced(row[1].name, row[0], cur)
         for e in self.entries.values():
             slots = e.slots
             if slots is not None:  # overlay.hide, inlined: this loop runs over every target, every step
                 value = e.value
-                if value is not None and slots.get(e.attr) is value:
-                    slots[e.attr] = e.target
+                if value is not None:
+                    cur = slots.get(e.attr)
+                    if cur is value:
+                        slots[e.attr] = e.target
+                    elif cur is not e.target:
+                        self._replaced(e.name, e.target, cur)
                 e.swapped = False
             elif e.shows is not None:
                 overlay.hide(e, e.value, e)
+
+    # ------------------------------------------------------------------
+    # targets changed under the step (model.to(), .half(), to_empty(), .data = ...)
+    # ------------------------------------------------------------------
+    def _replaced(self, name: str, stored: torch.Tensor, now: Any) -> None:
+        """A buffer slot holds ``now``, neither the target nor its pending value: ``Module._apply``
+        (``model.to()``, ``.half()``, ``to_empty()``) converted the pending value it showed. The
+        conversion is applied to the stored value instead (``now`` takes its values), and the step
+        may not commit (:meth:`changes`)."""
+        if not self.watch:
+            return
+        if isinstance(now, torch.Tensor) and now.shape == stored.shape:
+            with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+                now.copy_(stored)
+        self.changed.append(f"{name!r} (its buffer was converted or replaced: now {_where(now)})")
+
+    def check_storage(self) -> list[str]:
+        """After :meth:`hide`: the targets changed while updates to them were pending (their buffer
+        slot replaced, see :meth:`_replaced`; a parameter replaced in its module, its storage, dtype
+        or device changed). A ``pu.Parameter`` whose storage a conversion replaced showed its pending
+        value to that conversion: it gets the stored value, converted. Returns what changed."""
+        for e in self.entries.values() if self.watch else ():
+            if e.value is None or e.slots is not None or e.sharded:
+                continue
+            t = e.target
+            info = e.info
+            owner = info.owner if info is not None and info.kind == "parameter" else None
+            now = owner._parameters.get(e.attr) if owner is not None else t
+            if now is not t:
+                # a new parameter object in the slot (to_empty, overwrite-on-conversion, module.x = ...)
+                if isinstance(now, torch.Tensor) and now.shape == t.shape:
+                    with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+                        now.detach().copy_(e.raw if e.raw is not None else t)
+                self.changed.append(f"{e.name!r} (the parameter was replaced: now {_where(now)})")
+            elif e.raw is not None and e.shows == overlay.PARAM and _data_ptr(_plain_view(t)) != _data_ptr(e.raw):
+                with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+                    t.detach().copy_(e.raw)  # the stored value, converted, in place of the pending one
+                self.changed.append(f"{e.name!r} (its storage was replaced: now {_where(t)})")
+            elif t.dtype != e.value.dtype or t.device != e.value.device:
+                self.changed.append(f"{e.name!r} (converted: now {_where(t)})")
+        changed, self.changed = self.changed, []
+        return changed
 
     def show_pending(self) -> None:
         """Show the values still pending (those of phases not committed yet) again."""
@@ -508,6 +597,7 @@ class Journal:
     def discard(self) -> None:
         """Drop every pending update; storage was never touched."""
         self.hide()
+        self.check_storage()  # (a conversion in the step keeps the stored values, converted)
         self.close()
 
     def close(self) -> None:

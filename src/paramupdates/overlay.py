@@ -20,8 +20,6 @@ checkpoint segment (``replay.Replay``) both show values through these functions.
 
 from __future__ import annotations
 
-import copy
-import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -93,65 +91,3 @@ def hide(e: Entry, value: torch.Tensor | None, holder: Any) -> None:
             del context.pu_pending[id(e.target)]
     elif e.slots is not None and value is not None and e.slots.get(e.attr) is value:
         e.slots[e.attr] = e.target
-
-
-# --- serialization sees stored values (docs/design.md, "Serialization inside a step") --------------
-def open_journals() -> list[Any]:
-    """Every step in progress, of every thread, and every attachment's open step."""
-    out = list(context.steps)
-    out.extend(a.journal for a in context.attachments if a.journal is not None)
-    return out
-
-
-def stored_of(v: torch.Tensor, journals: list[Any] | None = None) -> tuple[torch.Tensor, dict | None] | None:
-    """``(target, buffer slots)`` when ``v`` is a pending value shown by a step in progress."""
-    for j in journals if journals is not None else open_journals():
-        found = j.stored_of(v)
-        if found is not None:
-            return found
-    return None
-
-
-def committed_state(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-    """``state_dict`` post-hook: a buffer slot or ``pu.Parameter`` that shows a pending value is saved
-    with its stored value (pending values are seen by reads, never by serialization)."""
-    journals = open_journals() if (context.steps or context.attachments) else []
-    if journals:
-        buffers = module._buffers
-        for attr, v in buffers.items():
-            key = prefix + attr
-            if v is None or key not in state_dict:
-                continue
-            found = stored_of(v, journals)
-            if found is not None and found[1] is buffers:
-                state_dict[key] = found[0] if state_dict[key] is v else found[0].detach()
-    if context.pu_pending:
-        for attr, p in module._parameters.items():
-            key = prefix + attr
-            if p is not None and id(p) in context.pu_pending and key in state_dict and state_dict[key] is not p:
-                state_dict[key] = plain(p).detach()  # the stored value (the pending one is shown by reads)
-
-
-_GUARDED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
-
-
-def guard_module(module: torch.nn.Module) -> None:
-    """Make ``module.state_dict()`` save stored values while a step shows pending ones (once per module)."""
-    if module not in _GUARDED:
-        module.register_state_dict_post_hook(committed_state)
-        _GUARDED.add(module)
-
-
-def _deepcopy_tensor(x: torch.Tensor, memo: dict[int, Any]) -> Any:
-    """``copy.deepcopy`` of a plain tensor: a pending value shown in a module's buffer slot, copied as
-    part of that module (its buffer dict is being copied: ``memo`` holds it), copies as the stored
-    value. Copied on its own (``copy.deepcopy(module.running_mean)``, a read) it is the pending value."""
-    if context.steps or context.attachments:
-        found = stored_of(x)
-        if found is not None and found[1] is not None and id(found[1]) in memo:
-            return copy.deepcopy(found[0], memo)
-    return _PREVIOUS_DEEPCOPY(x, memo) if _PREVIOUS_DEEPCOPY is not None else x.__deepcopy__(memo)
-
-
-_PREVIOUS_DEEPCOPY = copy._deepcopy_dispatch.get(torch.Tensor)  # type: ignore[attr-defined]
-copy._deepcopy_dispatch[torch.Tensor] = _deepcopy_tensor  # type: ignore[attr-defined]

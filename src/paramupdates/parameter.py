@@ -196,6 +196,12 @@ class Parameter(torch.nn.Parameter):
             data = self.detach()
         return (_rebuild, (data, self.requires_grad, self.auxiliary, self.weight_decay))
 
+    @classmethod
+    def pu_rebuild(cls, old: Parameter, new: torch.nn.Parameter) -> Parameter:
+        """``new`` (a plain parameter that replaces ``old``, e.g. from ``load_state_dict(assign=True)``)
+        as a ``pu.Parameter`` with ``old``'s attributes, sharing ``new``'s storage."""
+        return cls(new, trainable=new.requires_grad, auxiliary=old.auxiliary, weight_decay=old.weight_decay)
+
     def __repr__(self) -> str:
         kind = "auxiliary " if self.auxiliary else ""
         with torch._C.DisableTorchFunctionSubclass():

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import hooks, overlay, sharding
+from . import guards, hooks, overlay, sharding
 
 
 @dataclass(eq=False)
@@ -56,6 +56,7 @@ class ModelIndex:
         """Walk the module tree; the first name of a shared tensor wins."""
         model = self.model
         by_id: dict[int, TargetInfo] = {}
+        modules: dict[int, tuple[weakref.ref, str]] = {}
         if model is not None:
             visitors = list(hooks.module_visitors.values())
             for mod_name, mod in model.named_modules(remove_duplicate=True):
@@ -63,8 +64,9 @@ class ModelIndex:
                     visit(mod, mod_name)  # e.g. transformed parameters (rule 10): recognise a parametrization's outputs
                 prefix = f"{mod_name}." if mod_name else ""
                 mref = weakref.ref(mod)
+                modules[id(mod)] = (mref, mod_name)
                 if mod._buffers or mod._parameters:
-                    overlay.guard_module(mod)  # state_dict() saves stored values inside a step
+                    guards.guard_module(mod)  # state_dict() saves stored values inside a step
                 for kind, table in (("parameter", mod._parameters), ("buffer", mod._buffers)):
                     for attr, t in table.items():
                         if t is not None and id(t) not in by_id:
@@ -79,6 +81,12 @@ class ModelIndex:
         ):
             self.generation += 1  # what the model owns changed: cached ownership answers are stale
         self.by_id = by_id
+        self.modules = modules
+
+    def module_name(self, module: nn.Module) -> str | None:
+        """The qualified name of ``module`` in the model as last indexed (``""``: the model), or None."""
+        hit = self.modules.get(id(module))
+        return hit[1] if hit is not None and hit[0]() is module else None
 
     def lookup(self, t: torch.Tensor) -> TargetInfo | None:
         """The info of ``t`` if the model owns it (rebuilding once on a miss)."""

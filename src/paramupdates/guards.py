@@ -169,6 +169,36 @@ def _loading() -> bool:
 _LOAD_CODE = nn.Module._load_from_state_dict.__code__
 
 
+# --- pu.Parameters re-created by to_empty() -----------------------------------------------------------
+_MATERIALIZED: dict[int, tuple[Any, Any, Any, Any]] = {}
+
+
+def note_materialized(result: torch.Tensor, source: Any) -> None:
+    """``torch.empty_like(p, ...)`` of a ``pu.Parameter`` (what ``to_empty()`` calls): torch wraps the
+    result in a plain ``nn.Parameter``; the index makes it a ``pu.Parameter`` again (by its storage)."""
+    if len(_MATERIALIZED) > 4096:
+        _MATERIALIZED.clear()
+    if isinstance(result, torch.Tensor) and not result.is_meta:
+        key = result.untyped_storage().data_ptr()
+        _MATERIALIZED[key] = (
+            weakref.ref(result.untyped_storage()),
+            type(source),
+            source.auxiliary,
+            source.weight_decay,
+        )
+
+
+def materialized(t: torch.Tensor) -> tuple[Any, Any, Any] | None:
+    """``(class, auxiliary, weight_decay)`` if ``t``'s storage was made by :func:`note_materialized`."""
+    if not _MATERIALIZED or t.is_meta:
+        return None
+    storage = t.untyped_storage()
+    hit = _MATERIALIZED.pop(storage.data_ptr(), None)
+    if hit is None or hit[0]() is None:
+        return None
+    return hit[1], hit[2], hit[3]
+
+
 # --- the modules of indexed models --------------------------------------------------------------------
 _GUARDED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import hooks
+from ..errors import UpdateError
 from ..origin import call_site
 from ..schedule import ScheduleEntry
 from .common import has_subclass, storage_key
@@ -105,6 +106,20 @@ class Rule:
     def resync(self) -> None:
         """Follow tensors that were replaced in their module slots (``fully_shard`` replaces every
         parameter); run when ownership is recomputed, not per commit. Default: held by identity."""
+
+    def adopt(self, index: ModelIndex) -> None:
+        """The rule applies to ``index``'s model: tensors given without their module are followed in it
+        by name from now on (``load_state_dict(assign=True)``, ``to_empty()``, ``model.to()`` that
+        re-creates parameters). Default: nothing."""
+
+    def lost_names(self) -> list[str]:
+        """The qualified names of covered tensors that are gone from the module the rule follows them
+        in (a layer removed or renamed): the next commit of that module's model raises."""
+        return []
+
+    def root(self) -> Any:
+        """The module whose tensors the rule follows by name (``None``: none)."""
+        return None
 
     # --- declared again (a re-run notebook cell) ------------------------------
     def same_kind(self) -> Any:
@@ -250,6 +265,25 @@ def rules_for(index: ModelIndex) -> list[Rule]:
     Cached per model until a rule is declared or removed or the model's tensors change.
     """
     dead = [r for r in _RULES if not r.alive()]
+    for r in dead:
+        applied = r.__dict__.get("_applied_to")
+        if applied is not None and index in applied and index.model is not None:
+            raise UpdateError(
+                f"{r.describe()} declared at {r.origin} applied to {type(index.model).__name__}, whose tensors it "
+                "covered are gone from the model (the module it was declared on was replaced or removed). Nothing "
+                "of this step was written. Declare the rule again on the model as it is now, or call .remove() "
+                "on it."
+            )
+    for r in _RULES:
+        lost = r.lost_names()
+        if lost and index.module_name(r.root()) is not None:
+            shown = ", ".join(map(repr, lost[:4])) + (f" and {len(lost) - 4} more" if len(lost) > 4 else "")
+            raise UpdateError(
+                f"{r.describe()} declared at {r.origin} covers {shown}, which {type(index.model).__name__} "
+                "no longer has under that name (a layer removed or renamed after the declaration). Nothing of "
+                "this step was written. Declare the rule again on the model as it is now, or call .remove() "
+                "on it."
+            )
     if dead:
         support = hooks.sharding_support()  # sharding hook: rules whose parameters fully_shard replaced
         if support is not None:
@@ -262,6 +296,12 @@ def rules_for(index: ModelIndex) -> list[Rule]:
     for r in _RULES:
         r.resync()
     out = [r for r in _RULES if index.owns_any(r.owner_tensors())]
+    for r in out:
+        r.adopt(index)
+        applied = r.__dict__.get("_applied_to")
+        if applied is None:
+            applied = r.__dict__["_applied_to"] = weakref.WeakSet()
+        applied.add(index)  # (a rule that dies later while this model lives: an error at its commit)
     _APPLIES[index] = (_version, index.generation, out)
     return out
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from .. import context, hooks, sharding
 from ..errors import UpdateError
+from ..targets import index_of, index_owning
 
 Named = list[tuple[str, torch.Tensor]]
 
@@ -101,8 +102,30 @@ def refuse_inside_step(fn: str, origin: str, tensors: Iterable[torch.Tensor] = (
             )
 
 
+def adopt_known(rule: Any, root: Any) -> None:
+    """A rule declared on tensors given without their module follows them by name from now on when a
+    model paramupdates knows (indexed: a step, an attachment, a rule declared on it) owns them all."""
+    if root is None:
+        idx = index_owning(rule.owner_tensors())
+        if idx is not None:
+            rule.adopt(idx)
+
+
 def check_declared(named: Named, root: Any, fn: str, origin: str) -> None:
-    """Refuse tensors no rule can be correct on (flat parameters of FSDP1 / DeepSpeed), at declaration."""
+    """Refuse tensors no rule can be correct on (flat parameters of FSDP1 / DeepSpeed; a meta tensor
+    given without its module: ``to_empty()`` replaces it and nothing could follow), at declaration."""
+    if root is not None:
+        index_of(root)  # indexed now: a parameter the module re-creates (to_empty, model.to()) keeps its type
+    else:
+        for name, t in named:
+            if t.is_meta:
+                raise UpdateError(
+                    f"{fn} at {origin}: {name!r} is a meta tensor given without its module, and to_empty() will "
+                    "replace it with another tensor, which a rule held by the tensor alone cannot follow. "
+                    "Declare the rule on the module (e.g. pu.constrain(model.lin, ...) or "
+                    "pu.weight_decay(model, ...)): it follows the module's parameters by name. Or declare it "
+                    "after materializing the model."
+                )
     support = hooks.sharding_support()  # sharding hook
     if support is not None:
         support.check_declared(named, root, fn, origin)
@@ -125,6 +148,25 @@ class WeakList:
         self._root = weakref.ref(root) if root is not None else None
         self._names = names
         self.meta = [(tuple(t.shape), t.dtype) for t in tensors]  # what a lost tensor was (for errors)
+        self.lost: list[int] = []  # positions that died and could not be followed (by the last current())
+
+    @property
+    def root(self) -> nn.Module | None:
+        """The module the tensors are followed in (``None``: held by identity only)."""
+        return self._root() if self._root is not None else None
+
+    def lost_names(self) -> list[str]:
+        """The qualified names that died and could not be followed in a live root module."""
+        if not self.lost or self._names is None or self.root is None:
+            return []
+        return [self._names[i] for i in self.lost]
+
+    def adopt(self, root: nn.Module, names: list[str | None]) -> None:
+        """Tensors given without their module, found in ``root`` under ``names``: from now on they are
+        followed there by name, as if the rule had been declared on ``root``."""
+        if self._root is None and all(n is not None for n in names):
+            self._root = weakref.ref(root)
+            self._names = list(names)  # type: ignore[arg-type]
 
     def current(self) -> list[torch.Tensor | None]:
         """Each declared tensor (None where it died and could not be followed)."""
@@ -135,6 +177,7 @@ class WeakList:
 
     def _follow(self, out: list[torch.Tensor | None]) -> None:
         root = self._root() if self._root is not None else None
+        self.lost = []
         if root is None or self._names is None:
             return
         for i, t in enumerate(out):
@@ -145,10 +188,12 @@ class WeakList:
                     try:
                         t = root.get_buffer(self._names[i])
                     except AttributeError:
-                        continue
+                        t = None
                 if t is not None:
                     self._refs[i] = weakref.ref(t)
                     out[i] = t
+                else:
+                    self.lost.append(i)
 
     def resync(self) -> bool:
         """Take the tensor now in each named slot of ``root`` where it is another object (or ours died);

@@ -57,6 +57,7 @@ from ..phases import AFTER_GRAD
 from .base import Rule, register
 from .common import (
     WeakList,
+    adopt_known,
     check_declared,
     has_subclass,
     named_tensors,
@@ -436,6 +437,16 @@ class Constrain(Rule):
     def describe(self) -> str:
         return f"pu.constrain({self.constraint.name})"
 
+    def adopt(self, index: Any) -> None:
+        if self._tensors.root is None:
+            self._tensors.adopt(index.model, [None if t is None else index.name_of(t) for t in self._tensors.current()])
+
+    def lost_names(self) -> list[str]:
+        return self._tensors.lost_names()
+
+    def root(self) -> Any:
+        return self._tensors.root
+
     def drop(self, ids: set[int]) -> bool:
         keep = [i for i, t in enumerate(self._tensors.current()) if t is None or id(t) not in ids]
         self.names = [self.names[i] for i in keep]
@@ -569,5 +580,6 @@ def constrain(
     for name, t in named:
         constraint.validate(name, t, origin)
     rule = Constrain(named, constraint, origin, foreach is not False, root)
+    adopt_known(rule, root)
     register(rule)
     return rule

@@ -40,7 +40,16 @@ from ..origin import call_site
 from ..parameter import Parameter
 from ..phases import BEFORE_GRAD
 from .base import Rule, register
-from .common import WeakList, check_declared, has_subclass, named_tensors, plain_if, refuse_inside_step, storage_key
+from .common import (
+    WeakList,
+    adopt_known,
+    check_declared,
+    has_subclass,
+    named_tensors,
+    plain_if,
+    refuse_inside_step,
+    storage_key,
+)
 
 if TYPE_CHECKING:
     from ..commit import CommitContext
@@ -118,6 +127,16 @@ class WeightDecay(Rule):
 
     def describe(self) -> str:
         return "pu.weight_decay"
+
+    def adopt(self, index: Any) -> None:
+        if self._tensors.root is None:
+            self._tensors.adopt(index.model, [None if t is None else index.name_of(t) for t in self._tensors.current()])
+
+    def lost_names(self) -> list[str]:
+        return self._tensors.lost_names()
+
+    def root(self) -> Any:
+        return self._tensors.root
 
     def drop(self, ids: set[int]) -> bool:
         keep = [i for i, t in enumerate(self._tensors.current()) if t is None or id(t) not in ids]
@@ -301,5 +320,6 @@ def weight_decay(
             continue
         chosen.append((name, t, r))
     rule = WeightDecay(chosen, bool(scale_by_lr), origin, foreach is not False, root)
+    adopt_known(rule, root)
     register(rule)
     return rule

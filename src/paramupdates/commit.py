@@ -153,6 +153,15 @@ class Commit:
         j.state = "committing"
         j.hide()
         self.state = "begun"
+        if j.index.has_meta and j.index.meta_names():
+            names = j.index.meta_names()
+            self._end("aborted")
+            raise UpdateError(
+                f"{self.label}: {', '.join(map(repr, names[:3]))}{f' and {len(names) - 3} more' if len(names) > 3 else ''} "
+                f"of {type(j.index.model).__name__} {'is' if len(names) == 1 else 'are'} on the meta device: no "
+                "values to update or step. Materialize the model first (model.to_empty(device=...) and initialize "
+                "it, or load_state_dict(..., assign=True)). Nothing was written."
+            )
         changed = j.check_storage()
         if changed:
             self._end("aborted")

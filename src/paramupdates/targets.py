@@ -58,6 +58,7 @@ class ModelIndex:
         model = self.model
         by_id: dict[int, TargetInfo] = {}
         modules: dict[int, tuple[weakref.ref, str]] = {}
+        has_meta = False
         if model is not None:
             visitors = list(hooks.module_visitors.values())
             for mod_name, mod in model.named_modules(remove_duplicate=True):
@@ -80,6 +81,8 @@ class ModelIndex:
                             )
                             if shows == overlay.PARAM:
                                 info.kept = (type(t), t.auxiliary, t.weight_decay)
+                            if t.is_meta:
+                                has_meta = True
         old = self.by_id
         if by_id.keys() != old.keys() or any(
             old[k].ref() is not v.ref() or old[k].name != v.name for k, v in by_id.items()
@@ -87,6 +90,12 @@ class ModelIndex:
             self.generation += 1  # what the model owns changed: cached ownership answers are stale
         self.by_id = by_id
         self.modules = modules
+        self.has_meta = has_meta  # some tensor is on the meta device (no values: nothing to step)
+
+    def meta_names(self) -> list[str]:
+        """The qualified names of the model's tensors on the meta device (the index rebuilt first)."""
+        self.build()
+        return [info.name for info in self.by_id.values() if (t := info.ref()) is not None and t.is_meta]
 
     def module_name(self, module: nn.Module) -> str | None:
         """The qualified name of ``module`` in the model as last indexed (``""``: the model), or None."""

@@ -125,10 +125,12 @@ class _Norm(Constraint):
         raise NotImplementedError
 
     def validate(self, name: str, t: torch.Tensor, origin: str) -> None:
-        if not (t.is_floating_point() or t.is_complex()):
-            raise ValueError(f"pu.{self.name} at {origin}: {name!r} is {t.dtype}; norm constraints need floating point")
-        if t.is_complex():
-            raise ValueError(f"pu.{self.name} at {origin}: {name!r} is complex; not supported")
+        if not t.is_floating_point():
+            raise UpdateError(
+                f"pu.{self.name} at {origin}: {name!r} is {t.dtype}; norm constraints need floating point "
+                f"(a {'complex' if t.is_complex() else 'non-floating'} tensor has no such norm here). Declare it "
+                "on floating tensors only (leave this one out), or use pu.clamp / a callable for it."
+            )
         if self.dim is not None and t.ndim > 0 and not -t.ndim <= self.dim < t.ndim:
             raise ValueError(
                 f"pu.{self.name} at {origin}: dim={self.dim} is out of range for {name!r} of shape {tuple(t.shape)}"
@@ -298,7 +300,10 @@ class _Clamp(Constraint):
 
     def validate(self, name: str, t: torch.Tensor, origin: str) -> None:
         if t.is_complex() or t.dtype == torch.bool:
-            raise ValueError(f"pu.{self.name} at {origin}: {name!r} is {t.dtype}; needs a real dtype")
+            raise UpdateError(
+                f"pu.{self.name} at {origin}: {name!r} is {t.dtype}; pu.{self.name} needs a real dtype (complex "
+                "and bool values have no order). Leave it out of the declaration, or constrain it with a callable."
+            )
         for v in (self.min, self.max):
             if v is not None and not t.is_floating_point() and float(v) != int(v):
                 raise ValueError(f"pu.{self.name} at {origin}: bound {v} is not an integer but {name!r} is {t.dtype}")

@@ -36,6 +36,7 @@ from torch import nn
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from .. import sharding
+from ..errors import UpdateError
 from ..origin import call_site
 from ..parameter import Parameter
 from ..phases import BEFORE_GRAD
@@ -316,7 +317,10 @@ def weight_decay(
             raise ValueError(f"pu.weight_decay at {origin}: {name!r} has weight_decay={own}; it must be >= 0")
         if not (t.is_floating_point() or t.is_complex()):
             if own is not None:
-                raise ValueError(f"pu.weight_decay at {origin}: {name!r} is {t.dtype}, not floating point")
+                raise UpdateError(
+                    f"pu.weight_decay at {origin}: {name!r} is {t.dtype}, not floating point, but asks for "
+                    f"weight_decay={own}. Decay applies to floating tensors: give it weight_decay=None (or 0.0)."
+                )
             continue
         chosen.append((name, t, r))
     rule = WeightDecay(chosen, bool(scale_by_lr), origin, foreach is not False, root)

@@ -24,8 +24,6 @@ readable reference path instead, ``p.mul_(1 - lr_g * rate_p)`` tensor by tensor
 
 from __future__ import annotations
 
-import itertools
-import operator
 import warnings
 import weakref
 from collections.abc import Callable
@@ -40,18 +38,22 @@ from ..origin import call_site
 from ..parameter import Parameter
 from ..phases import BEFORE_GRAD
 from .base import Rule, register
-from .common import WeakList, check_declared, has_subclass, named_tensors, plain_if, refuse_inside_step, storage_key
+from .common import (
+    WeakList,
+    any_none,
+    check_declared,
+    has_subclass,
+    named_tensors,
+    plain_if,
+    refuse_inside_step,
+    storage_key,
+)
 
 if TYPE_CHECKING:
     from ..commit import CommitContext
 
 Exclude = Callable[[str, torch.Tensor], bool]
 _grad_of = torch._C.TensorBase.grad.__get__  # the C getter, mapped without a Python-level loop
-
-
-def _any_none(xs: list[Any]) -> bool:
-    """``None in xs`` by identity (``in`` would call ``Tensor.__eq__``)."""
-    return any(map(operator.is_, xs, itertools.repeat(None)))
 
 
 def skip_1d(name: str, tensor: torch.Tensor) -> bool:
@@ -132,10 +134,10 @@ class WeightDecay(Rule):
         """What the plan depends on besides storage: the param groups, their lrs, which tensors have a gradient."""
         with plain_if(self._sub):
             grads = (
-                list(map(_grad_of, live)) if not _any_none(live) else [None if t is None else _grad_of(t) for t in live]
+                list(map(_grad_of, live)) if not any_none(live) else [None if t is None else _grad_of(t) for t in live]
             )
         # the common case (every tensor alive with a gradient) without a per-tensor Python test
-        has_grad: tuple[bool, ...] | bool = True if not _any_none(grads) else tuple(g is not None for g in grads)
+        has_grad: tuple[bool, ...] | bool = True if not any_none(grads) else tuple(g is not None for g in grads)
         groups = opt.param_groups
         lrs = tuple([float(g["lr"]) for g in groups]) if self.scale_by_lr else ()
         return (
@@ -152,7 +154,7 @@ class WeightDecay(Rule):
 
     def fingerprint(self) -> list[torch.Tensor] | None:
         live = self._live
-        return None if not live or _any_none(live) else live
+        return None if not live or any_none(live) else live
 
     def revalidate(self, ctx: CommitContext, held: list[torch.Tensor]) -> bool:
         opt = ctx.optimizer

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import copy
 import os
-import subprocess
-import sys
 import tempfile
 import time
 import traceback
@@ -25,7 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import paramupdates as pu
-from dist_harness import free_port, launch, reset_pu
+from dist_harness import launch, reset_pu, run_example_under_torchrun
 from dist_models import (
     MOMENTUM,
     NO_BROADCAST,
@@ -652,28 +650,8 @@ def test_rank_that_raises_gives_the_others_an_error_not_a_hang(results):
 # the README's example, run as documented (torchrun, 2 processes, gloo)
 # ----------------------------------------------------------------------------
 def test_ddp_example_runs_under_torchrun():
-    """Retried (at most twice) only on torch's own abort at interpreter exit: with torch 2.13 and gloo,
-    a plain DDP script with no paramupdates in it (init, 10 DDP steps, barrier,
-    destroy_process_group) ends with "terminate called without an active exception" (SIGABRT)
-    after main() has returned, in 2-4 of 25 runs on a loaded 2-core machine. Any other failure,
-    or that one three times in a row, fails the test."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for _attempt in range(3):
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node=2",
-            "--master_addr=127.0.0.1",
-            f"--master_port={free_port()}",
-            "examples/ddp_train.py",
-        ]
-        proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=120)
-        exit_abort = "terminate called without an active exception" in proc.stdout + proc.stderr and (
-            "statistics and weights identical on every rank" in proc.stdout
-        )
-        if proc.returncode == 0 or not exit_abort:
-            break
+    """examples/ddp_train.py under torchrun (2 gloo ranks; see dist_harness.run_example_under_torchrun)."""
+    proc = run_example_under_torchrun("examples/ddp_train.py", "statistics and weights identical on every rank")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "statistics and weights identical on every rank" in proc.stdout
     assert "module.1.running_mean         assign sync=mean" in proc.stdout

@@ -774,30 +774,11 @@ def test_fsdp1_is_refused_clearly(guards):
 
 
 def test_fsdp2_example_runs_under_torchrun():
-    """examples/fsdp2_train.py under torchrun (2 gloo ranks). Retried (at most twice) only on torch's own
-    abort at interpreter exit with gloo (see test_distributed.py::test_ddp_example_runs_under_torchrun)."""
-    import os
-    import subprocess
-    import sys
+    """examples/fsdp2_train.py under torchrun (2 gloo ranks; see dist_harness.run_example_under_torchrun)."""
+    from dist_harness import run_example_under_torchrun
 
-    from dist_harness import free_port
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     done = "weights and statistics identical on every rank"
-    for _attempt in range(3):
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node=2",
-            "--master_addr=127.0.0.1",
-            f"--master_port={free_port()}",
-            "examples/fsdp2_train.py",
-        ]
-        proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=120)
-        exit_abort = "terminate called without an active exception" in proc.stdout + proc.stderr and done in proc.stdout
-        if proc.returncode == 0 or not exit_abort:
-            break
+    proc = run_example_under_torchrun("examples/fsdp2_train.py", done)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert done in proc.stdout and "tensors saved" in proc.stdout
     assert "weight_decay" in proc.stdout and "constrain:max_norm" in proc.stdout and "ema(decay=0.9)" in proc.stdout

@@ -45,8 +45,9 @@ def is_sharded(t: Any) -> bool:
 
 
 def any_sharded(ts: Sequence[Any]) -> bool:
+    """Whether any of ``ts`` is a DTensor (one pass over their types, in C)."""
     dt = dtensor_type()
-    return dt is not None and any(isinstance(t, dt) for t in ts)
+    return dt is not None and any(issubclass(k, dt) for k in set(map(type, ts)))
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -65,7 +66,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
 def locals_of(ts: list[torch.Tensor]) -> list[torch.Tensor]:
     """:func:`local` of each tensor (the list itself when none is a DTensor)."""
     dt = dtensor_type()
-    if dt is None or not any(isinstance(t, dt) for t in ts):
+    if dt is None or not any(issubclass(k, dt) for k in set(map(type, ts))):  # (torch.optim loads DTensor)
         return ts
     return [t._local_tensor if isinstance(t, dt) else t for t in ts]  # type: ignore[attr-defined]
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
+import operator
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -20,11 +22,17 @@ no_subclass = torch._C.DisableTorchFunctionSubclass
 """Context in which a ``pu.Parameter`` is a plain tensor to foreach kernels (no overlay lookup)."""
 
 _PLAIN = (torch.Tensor, nn.Parameter)
+_PLAIN_SET = frozenset(_PLAIN)
+
+
+def any_none(xs: list[Any]) -> bool:
+    """``None in xs`` by identity, mapped in C (``in`` would call ``Tensor.__eq__``)."""
+    return any(map(operator.is_, xs, itertools.repeat(None)))
 
 
 def has_subclass(ts: list[torch.Tensor]) -> bool:
     """Whether any tensor has a ``__torch_function__`` subclass (``pu.Parameter``)."""
-    return any(type(t) not in _PLAIN for t in ts)
+    return not set(map(type, ts)) <= _PLAIN_SET  # (one pass over the types, in C)
 
 
 def plain_if(flag: bool) -> Any:
@@ -171,7 +179,7 @@ class WeakList:
     def current(self) -> list[torch.Tensor | None]:
         """Each declared tensor (None where it died and could not be followed)."""
         out = [r() for r in self._refs]
-        if self._root is not None and any(t is None for t in out):
+        if self._root is not None and any_none(out):
             self._follow(out)
         return out
 
@@ -229,7 +237,8 @@ class WeakList:
         return [t for t in self.current() if t is not None]
 
     def alive(self) -> bool:
-        return any(t is not None for t in self.current())
+        out = self.current()
+        return not all(map(operator.is_, out, itertools.repeat(None)))
 
 
 _data_ptr = torch._C.TensorBase.data_ptr

@@ -24,8 +24,6 @@ readable reference path instead, ``p.mul_(1 - lr_g * rate_p)`` tensor by tensor
 
 from __future__ import annotations
 
-import itertools
-import operator
 import warnings
 import weakref
 from collections.abc import Callable
@@ -44,6 +42,7 @@ from .base import Rule, register
 from .common import (
     WeakList,
     adopt_known,
+    any_none,
     check_declared,
     has_subclass,
     named_tensors,
@@ -57,11 +56,6 @@ if TYPE_CHECKING:
 
 Exclude = Callable[[str, torch.Tensor], bool]
 _grad_of = torch._C.TensorBase.grad.__get__  # the C getter, mapped without a Python-level loop
-
-
-def _any_none(xs: list[Any]) -> bool:
-    """``None in xs`` by identity (``in`` would call ``Tensor.__eq__``)."""
-    return any(map(operator.is_, xs, itertools.repeat(None)))
 
 
 def skip_1d(name: str, tensor: torch.Tensor) -> bool:
@@ -166,10 +160,10 @@ class WeightDecay(Rule):
         """What the plan depends on besides storage: the param groups, their lrs, which tensors have a gradient."""
         with plain_if(self._sub):
             grads = (
-                list(map(_grad_of, live)) if not _any_none(live) else [None if t is None else _grad_of(t) for t in live]
+                list(map(_grad_of, live)) if not any_none(live) else [None if t is None else _grad_of(t) for t in live]
             )
         # the common case (every tensor alive with a gradient) without a per-tensor Python test
-        has_grad: tuple[bool, ...] | bool = True if not _any_none(grads) else tuple(g is not None for g in grads)
+        has_grad: tuple[bool, ...] | bool = True if not any_none(grads) else tuple(g is not None for g in grads)
         groups = opt.param_groups
         lrs = tuple([float(g["lr"]) for g in groups]) if self.scale_by_lr else ()
         return (
@@ -186,7 +180,7 @@ class WeightDecay(Rule):
 
     def fingerprint(self) -> list[torch.Tensor] | None:
         live = self._live
-        return None if not live or _any_none(live) else live
+        return None if not live or any_none(live) else live
 
     def revalidate(self, ctx: CommitContext, held: list[torch.Tensor]) -> bool:
         opt = ctx.optimizer

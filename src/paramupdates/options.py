@@ -27,11 +27,12 @@ class StepOptions:
     """How a step commits.
 
     Attributes:
-        on_nonfinite: ``"raise"`` (an :class:`~paramupdates.UpdateError`, nothing written) or ``"skip"``
-            (drop the whole step, optimizer included, and count it in ``skipped_steps``) when a
-            pending value is NaN or infinite.
-        check_finite: check pending values for NaN/inf at commit (one batched reduction and one
-            host sync per step); ``False`` skips the check.
+        on_nonfinite: ``"raise"`` (an :class:`~paramupdates.UpdateError` naming the target or the
+            parameter, nothing written) or ``"skip"`` (drop the whole step, optimizer included, and
+            count it in ``skipped_steps``) when a pending value, or a gradient the optimizer would
+            use, is NaN or infinite (as ``torch.amp.GradScaler`` checks gradients).
+        check_finite: check pending values and the optimizer's gradients for NaN/inf at commit (one
+            batched reduction and one host sync per step); ``False`` skips the check.
         copy_for_rollback: before the commit writes while a fallible stage (the optimizer's step,
             a rule that runs user code) is still to come, copy what it writes and the optimizer's
             state, so that an exception there restores everything bitwise (validated commit,

@@ -190,7 +190,12 @@ class Stepper(_Owner):
             commit's checks and ``before_grad`` run right after its first call,
             when the gradients exist. Updates it issues join the step.
         **options: see :class:`~paramupdates.options.StepOptions` (``on_nonfinite``,
-            ``check_finite``, ``copy_for_rollback``, ``process_group``, ``sync_timeout``).
+            ``check_finite``, ``copy_for_rollback``, ``process_group``, ``sync_timeout``,
+            ``scaler``).
+
+    While a step records, ``optimizer.step()`` belongs to its commit: a call made in the block
+    (or by ``GradScaler.step``) raises :class:`UpdateError` before the optimizer writes. Steps are
+    per thread: a thread's step is not seen by updates issued in other threads.
     """
 
     def __init__(

@@ -564,6 +564,8 @@ def _finite_flag(values: list[torch.Tensor], sharded: bool = False, grouped: dic
     The values are grouped by device and dtype in C; each floating group is checked in a few
     kernels (:func:`_group_finite`); one host sync for all.
     """
+    if not values and not grouped:
+        return None
     flags = []
     with torch.no_grad():
         vals = values

@@ -237,8 +237,10 @@ class WeakList:
         return [t for t in self.current() if t is not None]
 
     def alive(self) -> bool:
-        out = self.current()
-        return not all(map(operator.is_, out, itertools.repeat(None)))
+        for r in self._refs:  # (the first is alive in the common case: no pass over all of them)
+            if r() is not None:
+                return True
+        return not all(map(operator.is_, self.current(), itertools.repeat(None)))  # followed by name?
 
 
 _data_ptr = torch._C.TensorBase.data_ptr

@@ -152,7 +152,9 @@ class WeakList:
     def __init__(
         self, tensors: list[torch.Tensor], root: nn.Module | None = None, names: list[str] | None = None
     ) -> None:
-        self._refs = [weakref.ref(t) for t in tensors]
+        died = self._died = [False]  # set when a held tensor is collected (no pass over them per commit)
+        self._on_death = lambda _ref: died.__setitem__(0, True)
+        self._refs = [weakref.ref(t, self._on_death) for t in tensors]
         self._root = weakref.ref(root) if root is not None else None
         self._names = names
         self.meta = [(tuple(t.shape), t.dtype) for t in tensors]  # what a lost tensor was (for errors)
@@ -164,9 +166,13 @@ class WeakList:
         return self._root() if self._root is not None else None
 
     def lost_names(self) -> list[str]:
-        """The qualified names that died and could not be followed in a live root module."""
-        if not self.lost or self._names is None or self.root is None:
+        """The qualified names that died and could not be followed in a live root module (looked
+        at only after a held tensor was collected)."""
+        if not self._died[0] or self._names is None or self.root is None:
             return []
+        self.current()  # follows what it can, notes the rest in self.lost
+        if not self.lost:
+            self._died[0] = False
         return [self._names[i] for i in self.lost]
 
     def adopt(self, root: nn.Module, names: list[str | None]) -> None:
@@ -198,7 +204,7 @@ class WeakList:
                     except AttributeError:
                         t = None
                 if t is not None:
-                    self._refs[i] = weakref.ref(t)
+                    self._refs[i] = weakref.ref(t, self._on_death)
                     out[i] = t
                 else:
                     self.lost.append(i)
@@ -222,7 +228,7 @@ class WeakList:
             if t is not None and t is not old:
                 if old is not None and sharding.is_sharded(old) and not sharding.is_sharded(t):
                     continue  # inside FSDP's forward/backward: its temporary unsharded parameter, not a successor
-                self._refs[i] = weakref.ref(t)
+                self._refs[i] = weakref.ref(t, self._on_death)
                 changed = True
         return changed
 

@@ -29,6 +29,7 @@ from .phases import AUXILIARY, ISSUE_PHASES, RECORD_PHASES
 from .targets import ModelIndex, TargetInfo
 
 _graph_task_id = torch._C._current_graph_task_id
+_local = context.local  # this thread's steps, conditions and replay (one attribute look-up less per update)
 _data_ptr = torch._C.TensorBase.data_ptr
 
 
@@ -159,7 +160,7 @@ class Journal:
             e = self.aliases.get(id(t))
             if e is not None and e.value is t:
                 return e
-        replay = context.local.replay
+        replay = _local.replay
         if replay is not None:
             e = replay.lookup(self, t)  # a value shown by a checkpoint recomputation
             if e is not None:
@@ -296,7 +297,7 @@ class Journal:
                 f"pu.{op} on {e.name!r} at {origin} with phase={phase!r} was issued after that phase was "
                 f"committed (inside optimizer.step()). Issue it before the optimizer step, or use a later phase."
             )
-        replay = context.local.replay
+        replay = _local.replay
         # (While dynamo traces, this is not a runtime check; a compiled forward
         # is not re-run by autograd: checkpointing inside it is a graph op.)
         if replay is None and not compiling and _graph_task_id() != -1:
@@ -307,12 +308,12 @@ class Journal:
                 "pu.checkpoint (or torch.utils.checkpoint with use_reentrant=False) for activation "
                 "checkpointing."
             )
-        if replay is None and not compiling and context.local.eager_log is None and hooks.segment_probes:
+        if replay is None and not compiling and _local.eager_log is None and hooks.segment_probes:
             hooks.adopt_segment()  # inside a torch.utils.checkpoint segment: note its entry values (replay, rule 3)
         support = None if compiling else hooks.sharding_support()
         if support is not None and not e.records:
             support.check_update(self, e, f"pu.{op}", origin)  # sharding hook: FSDP's temporary parameters
-        cond = context.local.conditions[-1]
+        cond = _local.conditions[-1]
         pred = cond if isinstance(cond, torch.Tensor) else None
         if new is not None:
             if pred is not None:
@@ -326,7 +327,8 @@ class Journal:
                     operand = self.read(operand, compiling)
                     if not e.trainable:
                         operand = operand.detach()
-            new = apply_op(op, overlay.plain(self.current_of(e)), operand, key, pred, fresh)
+            old = e.current() if replay is None else replay.current(self, e)  # (current_of, inlined)
+            new = apply_op(op, overlay.plain(old), operand, key, pred, fresh)
             if not e.trainable:
                 new = new.detach()
         if e.sharded and support is not None:
@@ -346,15 +348,15 @@ class Journal:
         """Several internal auxiliary updates whose new values the caller computed (``pu.nn``'s
         statistics: ``(entry, op, operand, new value)``), checked together: what :meth:`record`
         checks that does not depend on the target, once."""
-        replay = context.local.replay
+        replay = _local.replay
         if self.done_phases and AUXILIARY in self.done_phases:
             self.record(items[0][0], "assign", items[0][3], None, None, sync, origin, True, compiling)  # raises
         if replay is None and not compiling:
             if _graph_task_id() != -1:
                 self.record(items[0][0], "assign", items[0][3], None, None, sync, origin, True, compiling)  # raises
-            if context.local.eager_log is None and hooks.segment_probes:
+            if _local.eager_log is None and hooks.segment_probes:
                 hooks.adopt_segment()  # inside a torch.utils.checkpoint segment (replay, rule 3)
-        cond = context.local.conditions[-1]
+        cond = _local.conditions[-1]
         pred = cond if isinstance(cond, torch.Tensor) else None
         for e, op, operand, new in items:
             if e.trainable or sync is not None or e.sync is not None:
@@ -374,7 +376,7 @@ class Journal:
         tuple each: the fast path of :meth:`record_computed`. False (nothing recorded) unless every
         target is a buffer or a non-trainable parameter of the model with nothing pending, and no
         recomputation, checkpointed segment, backward or committed auxiliary phase is in the way."""
-        if context.local.replay is not None or context.local.eager_log is not None or AUXILIARY in self.done_phases:
+        if _local.replay is not None or _local.eager_log is not None or AUXILIARY in self.done_phases:
             return False
         if not compiling and (_graph_task_id() != -1 or (hooks.segment_probes and hooks.in_segment())):
             return False
@@ -402,7 +404,7 @@ class Journal:
                 if info is None or info.ref() is not t or info.shows == overlay.PARAM or info.sharded:
                     return False
                 infos.append(info)
-        cond = context.local.conditions[-1]
+        cond = _local.conditions[-1]
         pred = cond if isinstance(cond, torch.Tensor) else None
         rows, order, ids, dst, src = self.rows, self.order, self.row_ids, self.row_dst, self.row_src
         for (t, op, operand, new), info in zip(updates, infos):
@@ -498,7 +500,7 @@ class Journal:
     def current_of(self, e: Entry) -> torch.Tensor:
         """What a read of ``e``'s target sees now: its pending value, or the value a checkpoint
         recomputation shows (``context.local.replay``)."""
-        replay = context.local.replay
+        replay = _local.replay
         if replay is not None:
             return replay.current(self, e)
         return e.current()

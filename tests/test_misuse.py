@@ -862,3 +862,34 @@ def test_with_stepper_names_the_with_line():
         with stepper.step():  # MARK: stepper.step()
             pu.assign(m.lin.bias, float("nan"), phase="after_grad")
     assert str(ei.value).startswith(f"pu.step at tests/test_misuse.py:{_line_of('MARK: stepper.step()')}:")
+
+
+@pytest.mark.compile
+def test_a_compiled_forward_records_into_the_calling_threads_step():
+    """Row 7 under torch.compile: the step a traced forward records into is the calling thread's (the
+    thread-local state is read by the graph's guards, per thread), with one compilation."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch.manual_seed(0)
+    m, ref = BNNet(), BNNet()
+    ref.load_state_dict(m.state_dict())
+    cc = CompileCounterWithBackend("eager")
+    fwd = torch.compile(m, fullgraph=True, backend=cc)
+    xs = [torch.randn(8, 4) for _ in range(4)]
+
+    def step(f, model, x):
+        with pu.step(model):
+            f(x)
+        return int(model.calls)
+
+    for i, x in enumerate(xs):
+        (step if i % 2 == 0 else lambda *a: _in_thread(step, *a))(fwd, m, x)  # this thread, then another
+        step(ref, ref, x)
+    assert_same(snapshot(ref), snapshot(m))
+    assert cc.frame_count == 1
+    # an eager forward of the compiled model in another thread while this thread has a step open
+    other = BNNet()
+    with pu.step(other):
+        _in_thread(fwd, xs[0])  # no step in that thread: eager, in place
+        assert int(m.calls) == 5
+    assert cc.frame_count <= 2  # (in place, outside a step: one graph more at most)

@@ -236,6 +236,37 @@ def test_nonfinite_gradient_raises_naming_the_parameter(how):
     assert_same(before, snapshot(m, opt, avg))
 
 
+def test_nonfinite_sparse_gradient_is_checked_too():
+    class Emb(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 3, sparse=True)
+            self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    m = Emb()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    before = snapshot(m)
+    with pytest.raises(pu.UpdateError, match="non-finite gradient of 'emb.weight'"):
+        with pu.step(m, opt):
+            pu.assign_add(m.calls, 1)
+            (m.emb(torch.tensor([1, 2])).sum() * float("nan")).backward()
+    assert_same(before, snapshot(m))
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_gradients_that_require_grad_are_checked_without_a_write():
+    """create_graph=True: the gradients are in a graph that may be differentiated again (an optimizer
+    computing Hessian-vector products): the check must not write them (no version bump)."""
+    m = BNNet()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with pu.step(m, opt):
+        m(torch.randn(8, 4)).square().sum().backward(create_graph=True)
+        versions = [p.grad._version for p in m.parameters()]
+        grads = [p.grad for p in m.parameters()]
+    assert [g._version for g in grads] == versions
+    m.zero_grad(set_to_none=True)  # (breaks the parameter-gradient cycle create_graph makes)
+
+
 def test_nonfinite_gradient_with_check_finite_false_reaches_the_optimizer():
     m, opt, _ = _rules_model()
     _nan_grad_step(m, "step", opt, check_finite=False)

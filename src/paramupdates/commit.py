@@ -42,6 +42,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -196,7 +197,7 @@ class Commit:
                 # unsynced values rides along, so all ranks decide alike.
                 local_bad = False
                 if opts.check_finite:
-                    ok = _finite_flag(_pending_values(j, unsynced=True) + grads, sharded, self._rows_grouped())
+                    ok = _finite_flag(_pending_values(j, unsynced=True), sharded, self._rows_grouped(), grads)
                     local_bad = ok is not None and not bool(ok)
                 remote_bad = backend.reduce(self, synced, local_bad)
                 agreed = opts.process_group is None and any(not e.sharded for e in synced)
@@ -207,7 +208,7 @@ class Commit:
             # go into a parameter whose memory FSDP has freed.
             self._guard_storage()
             if opts.check_finite and not agreed:
-                ok = _finite_flag(_pending_values(j) + grads, sharded, self._rows_grouped())
+                ok = _finite_flag(_pending_values(j), sharded, self._rows_grouped(), grads)
                 remote_bad = support.agree_nonfinite(self, ok is not None and not bool(ok))
         if opts.check_finite:
             bad, bad_grads = _nonfinite(j, self._rows_grouped(), grads, sharded)
@@ -556,7 +557,9 @@ def _pending_values(j: Journal, unsynced: bool = False) -> list[torch.Tensor]:
     return [e.value for e in j.entries.values() if e.value is not None and not (unsynced and e.sync is not None)]
 
 
-def _finite_flag(values: list[torch.Tensor], sharded: bool = False, grouped: dict | None = None) -> torch.Tensor | None:
+def _finite_flag(
+    values: list[torch.Tensor], sharded: bool = False, grouped: dict | None = None, grads: list[torch.Tensor] = ()
+) -> torch.Tensor | None:
     """A 0-dim bool on the CPU: all of ``values`` finite (None if none is floating); ``sharded``: some
     may be DTensors (their local shards are checked); ``grouped``: more values, already grouped by
     ``_group_tensors_by_device_and_dtype([dst, src])`` (the rows' commit groups: their ``src``).
@@ -564,7 +567,7 @@ def _finite_flag(values: list[torch.Tensor], sharded: bool = False, grouped: dic
     The values are grouped by device and dtype in C; each floating group is checked in a few
     kernels (:func:`_group_finite`); one host sync for all.
     """
-    if not values and not grouped:
+    if not values and not grouped and not grads:
         return None
     flags = []
     with torch.no_grad():
@@ -581,6 +584,8 @@ def _finite_flag(values: list[torch.Tensor], sharded: bool = False, grouped: dic
         for (_dev, dt), ([_dst, ts], _) in grouped.items() if grouped else ():
             if dt.is_floating_point or dt.is_complex:
                 flags.append(_group_finite(ts).cpu())
+        if grads:
+            flags.extend(_grads_finite(grads, sharded))
     if not flags:
         return None
     return flags[0] if len(flags) == 1 else torch.stack(flags).all()
@@ -605,19 +610,66 @@ def _group_finite(ts: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(torch._foreach_norm(ts, math.inf)).isfinite().all()
 
 
-_grad_of = torch._C.TensorBase.grad.__get__  # the C getter, mapped without a Python-level loop
+_grad_of = torch._C.TensorBase.grad.__get__  # the C getters, mapped without a Python-level loop
+_requires_grad = torch._C.TensorBase.requires_grad.__get__
+_layout_of = torch._C.TensorBase.layout.__get__
+
+
+def _dense(g: torch.Tensor) -> torch.Tensor:
+    """A sparse gradient's values (what decides whether it is finite); a dense one as it is."""
+    return g if g.layout == torch.strided else g.coalesce().values()
+
+
+def _grads_finite(grads: list[torch.Tensor], sharded: bool) -> list[torch.Tensor]:
+    """Per device and dtype of ``grads``, a 0-dim bool on the CPU: all finite. GradScaler's check,
+    ``torch._amp_foreach_non_finite_check_and_unscale_`` (one kernel per group on an accelerator; no
+    copy), with a scale of 1: every value is written back as it is. Gradients that require grad
+    (``create_graph=True``) or are complex get :func:`_group_finite` instead, which writes nothing."""
+    gs = sharding.locals_of(grads) if sharded else grads
+    if not torch.compiler.is_compiling() and not any(map(_requires_grad, gs)):
+        # one call for all (the common case: one device), grouped only if it refuses them
+        dev = gs[0].device
+        found = torch.zeros(1, device=dev)
+        try:
+            torch._amp_foreach_non_finite_check_and_unscale_(gs, found, torch.ones(1, device=dev))
+        except RuntimeError:
+            pass  # several devices, complex or sparse values: by group below
+        else:
+            return [found.eq(0).reshape(()).cpu()]
+    if any(layout is not torch.strided for layout in set(map(_layout_of, gs))):
+        gs = list(map(_dense, gs))
+    out = []
+    for (dev, dt), ([ts], _) in _group_tensors_by_device_and_dtype([gs]).items():
+        if not (dt.is_floating_point or dt.is_complex):
+            continue
+        if dt.is_complex or any(map(_requires_grad, ts)):
+            out.append(_group_finite(ts).cpu())
+            continue
+        found = torch.zeros(1, device=dev)
+        torch._amp_foreach_non_finite_check_and_unscale_(ts, found, torch.ones(1, device=dev))
+        out.append(found.eq(0).reshape(()).cpu())
+    return out
+
+
+_PARAMS: weakref.WeakKeyDictionary[Any, tuple[tuple, list[torch.Tensor]]] = weakref.WeakKeyDictionary()
+"""Per optimizer: its parameters, flat, and the shape of its param groups they were read from."""
 
 
 def _grads(optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The parameters of ``optimizer`` that have a gradient, and those gradients (a sparse
-    gradient by its values): what ``optimizer.step()`` will use."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
+    """The parameters of ``optimizer`` that have a gradient, and those gradients: what
+    ``optimizer.step()`` will use."""
+    groups = optimizer.param_groups
+    key = tuple([(id(g["params"]), len(g["params"])) for g in groups])
+    hit = _PARAMS.get(optimizer)
+    if hit is not None and hit[0] == key:
+        params = hit[1]
+    else:
+        params = [p for g in groups for p in g["params"]]
+        _PARAMS[optimizer] = (key, params)
     grads = list(map(_grad_of, params))
     if any(map(operator.is_, grads, itertools.repeat(None))):
         kept = [(p, g) for p, g in zip(params, grads) if g is not None]
         params, grads = [p for p, _ in kept], [g for _, g in kept]
-    if any(g.layout != torch.strided for g in grads):
-        grads = [g if g.layout == torch.strided else g.coalesce().values() for g in grads]
     return params, grads
 
 
@@ -626,7 +678,7 @@ def _nonfinite(
 ) -> tuple[list[Entry], list[int]]:
     """The entries whose pending value is not finite, and the indices of the non-finite ``grads``
     (one batched check for all; per tensor only on failure)."""
-    ok = _finite_flag(_pending_values(j) + grads, sharded, rows_grouped)
+    ok = _finite_flag(_pending_values(j), sharded, rows_grouped, grads)
     if ok is None or bool(ok):
         return [], []
     j.absorb()  # name them: rows become entries
@@ -641,6 +693,6 @@ def _nonfinite(
     bad_grads = [
         i
         for i, g in enumerate(grads)
-        if (g.is_floating_point() or g.is_complex()) and not bool(sharding.local(g).isfinite().all())
+        if (g.is_floating_point() or g.is_complex()) and not bool(_dense(sharding.local(g)).isfinite().all())
     ]
     return bad, bad_grads

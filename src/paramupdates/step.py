@@ -376,7 +376,10 @@ def step(
     ``auxiliary``, ``after_step``). An exception discards the step.
     ``s.schedule()`` afterwards is the committed plan. ``closure`` and
     ``**options`` (``on_nonfinite="raise"`` or ``"skip"``, ``check_finite``,
-    ``copy_for_rollback``, ``process_group``, ``sync_timeout``): see :class:`Stepper`.
+    ``copy_for_rollback``, ``process_group``, ``sync_timeout``, ``scaler``): see :class:`Stepper`.
+    The commit makes the optimizer's step: do not call ``optimizer.step()`` in the block (it raises
+    before writing); with a ``torch.amp.GradScaler`` pass ``scaler=scaler``. The returned object is
+    one step: enter it once.
     """
     _check_arguments(model, optimizer, "pu.step")
     return Stepper(model, optimizer, closure=closure, **options).step()

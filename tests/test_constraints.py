@@ -270,7 +270,7 @@ def test_declaration_errors():
     m = Net()
     with pytest.raises(ValueError, match="out of range"):
         pu.constrain(m.a.bias, pu.max_norm(1.0, dim=1))
-    with pytest.raises(ValueError, match="floating point"):
+    with pytest.raises(pu.UpdateError, match="floating point"):
         pu.constrain(torch.zeros(3, dtype=torch.long), pu.unit_norm())
     with pytest.raises(TypeError, match="callable"):
         pu.constrain(m.a.weight, 3)

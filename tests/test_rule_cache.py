@@ -139,14 +139,14 @@ def test_cast_model_rebuilds_the_plans_and_a_moved_copy_is_still_refused(full_ch
     stepper = pu.Stepper(m, opt)
     _step(m, opt, stepper, 0)
     _step(m, opt, stepper, 1)
-    _cast(m, opt)  # the model, not its EMA copy: the copy's pairs no longer match
-    before = snapshot(m, opt, averaged)
-    with pytest.raises(pu.UpdateError, match="Move or cast the copy"):
-        _step_double(m, opt, stepper, 2)
-    assert_same(before, snapshot(m, opt, averaged))
-    averaged.double()
+    _cast(m, opt)  # the model: its EMA copy follows it (issue 15)
     _step_double(m, opt, stepper, 2)
     assert m[0].weight.dtype == averaged[0].weight.dtype == torch.float64
+    averaged.float()  # the copy alone: its pairs no longer match
+    before = snapshot(m, opt, averaged)
+    with pytest.raises(pu.UpdateError, match="Move or cast the copy"):
+        _step_double(m, opt, stepper, 3)
+    assert_same(before, snapshot(m, opt, averaged))
 
 
 def _step_double(m, opt, stepper, seed):

@@ -82,10 +82,11 @@ def test_the_paths_really_differ_in_how_they_run(monkeypatch):
     monkeypatch.setattr(torch, "_foreach_mul_", lambda *a, **k: calls.append(1) or real(*a, **k))
     m = nn.Linear(3, 3)
     opt = torch.optim.SGD(m.parameters(), lr=0.1, foreach=False)
-    pu.weight_decay(m, 0.1, foreach=False)
+    reference = pu.weight_decay(m, 0.1, foreach=False)
     with pu.step(m, opt):
         m(torch.randn(2, 3)).sum().backward()
     assert calls == []
+    reference.remove()
     pu.weight_decay(m, 0.1)
     with pu.step(m, opt):
         m(torch.randn(2, 3)).sum().backward()

@@ -39,7 +39,10 @@ restores everything bitwise.
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -151,6 +154,24 @@ class Commit:
         j.state = "committing"
         j.hide()
         self.state = "begun"
+        if j.index.has_meta and j.index.meta_names():
+            names = j.index.meta_names()
+            self._end("aborted")
+            raise UpdateError(
+                f"{self.label}: {', '.join(map(repr, names[:3]))}{f' and {len(names) - 3} more' if len(names) > 3 else ''} "
+                f"of {type(j.index.model).__name__} {'is' if len(names) == 1 else 'are'} on the meta device: no "
+                "values to update or step. Materialize the model first (model.to_empty(device=...) and initialize "
+                "it, or load_state_dict(..., assign=True)). Nothing was written."
+            )
+        changed = j.check_storage()
+        if changed:
+            self._end("aborted")
+            raise UpdateError(
+                f"{self.label}: {'; '.join(changed)} while updates to it were pending in this step "
+                "(model.to(), .half(), .cuda(), to_empty(), or .data = ... inside the step). Nothing of "
+                "the step was written; the model keeps the conversion, applied to the stored values. "
+                "Convert the model between steps: before the first update of a step, or after its commit."
+            )
         rules = rules_for(j.index)
         if self.optimizer is None:
             # rules that belong to the gradient update run once per real optimizer update (read-your-writes, rule 1)
@@ -161,6 +182,10 @@ class Commit:
             1 for r in rules if not r.infallible
         )
         opts = self.options
+        # The gradients the optimizer will use are checked with the pending values (validated
+        # commit, rule 7): as torch.amp.GradScaler does, in the same batched reduction.
+        params, grads = _grads(self.optimizer) if opts.check_finite and self.optimizer is not None else ([], [])
+        sharded = j.any_sharded or sharding.any_sharded(grads)
         synced = j.synced
         remote_bad = 0
         agreed = False  # every rank of the group learnt how many ranks have non-finite pending values
@@ -172,7 +197,7 @@ class Commit:
                 # unsynced values rides along, so all ranks decide alike.
                 local_bad = False
                 if opts.check_finite:
-                    ok = _finite_flag(_pending_values(j, unsynced=True), j.any_sharded, self._rows_grouped())
+                    ok = _finite_flag(_pending_values(j, unsynced=True), sharded, self._rows_grouped(), grads)
                     local_bad = ok is not None and not bool(ok)
                 remote_bad = backend.reduce(self, synced, local_bad)
                 agreed = opts.process_group is None and any(not e.sharded for e in synced)
@@ -183,28 +208,69 @@ class Commit:
             # go into a parameter whose memory FSDP has freed.
             self._guard_storage()
             if opts.check_finite and not agreed:
-                ok = _finite_flag(_pending_values(j), j.any_sharded, self._rows_grouped())
+                ok = _finite_flag(_pending_values(j), sharded, self._rows_grouped(), grads)
                 remote_bad = support.agree_nonfinite(self, ok is not None and not bool(ok))
         if opts.check_finite:
-            bad = _nonfinite(j, self._rows_grouped())
-            if bad or remote_bad:
+            bad, bad_grads = _nonfinite(j, self._rows_grouped(), grads, sharded)
+            if bad_grads and not bad and not remote_bad and self._scaler() is not None:
+                # a scaled gradient overflowed: the scaler's business (torch.amp.GradScaler semantics)
+                self.skipped = True
+                self._end("done")
+                self._scaler_skip()
+                return False
+            if bad or bad_grads or remote_bad:
                 if opts.on_nonfinite == "skip":
                     self.skipped = True
                     self._end("done")
                     return False
                 self._end("aborted")
-                if not bad:
+                if not bad and not bad_grads:
                     raise UpdateError(
                         f"{self.label}: {remote_bad} other rank(s) have non-finite pending values in this "
                         "step (see their error). Nothing was written on any rank. Fix the value, or pass "
                         "on_nonfinite='skip' to drop such steps (they are counted, on every rank alike)."
                     )
-                lines = "; ".join(f"{e.name!r} (last update at {e.records[-1].origin})" for e in bad)
+                if bad:
+                    lines = "; ".join(f"{e.name!r} (last update at {e.records[-1].origin})" for e in bad)
+                    raise UpdateError(
+                        f"{self.label}: non-finite pending value for {lines}. Nothing was written. "
+                        "Fix the value, or pass on_nonfinite='skip' to drop such steps (they are counted)."
+                    )
+                names = ", ".join(repr(self._param_name(params[i])) for i in bad_grads[:5])
+                more = f" and {len(bad_grads) - 5} more" if len(bad_grads) > 5 else ""
                 raise UpdateError(
-                    f"{self.label}: non-finite pending value for {lines}. Nothing was written. "
-                    "Fix the value, or pass on_nonfinite='skip' to drop such steps (they are counted)."
+                    f"{self.label}: non-finite gradient of {names}{more}, which "
+                    f"{type(self.optimizer).__name__}.step() would write into the parameter. Nothing was "
+                    "written. Fix the loss, the data or the learning rate; or pass on_nonfinite='skip' to skip "
+                    "such steps as torch.amp.GradScaler does (the whole step, counted in skipped_steps); or "
+                    "check_finite=False to let the optimizer take them."
                 )
         return True
+
+    def _scaler(self) -> Any:
+        """The step's ``torch.amp.GradScaler``, if it has an enabled one and an optimizer."""
+        scaler = self.options.scaler
+        if scaler is None or self.optimizer is None or not scaler.is_enabled():
+            return None
+        return scaler
+
+    def _scaler_skip(self) -> None:
+        """A skipped step under a scaler: ``scaler.step`` finds the overflow and leaves the optimizer
+        alone, ``scaler.update`` lowers the scale (as in a plain GradScaler loop)."""
+        scaler = self._scaler()
+        scaler.step(self.optimizer)
+        scaler.update()
+
+    def _param_name(self, p: torch.Tensor) -> str:
+        """``p``'s qualified name in the model, or where the optimizer holds it."""
+        name = self.journal.index.name_of(p)
+        if name is not None:
+            return name
+        for gi, g in enumerate(self.optimizer.param_groups):  # type: ignore[union-attr]
+            for pi, q in enumerate(g["params"]):
+                if q is p:
+                    return f"param_groups[{gi}]['params'][{pi}] (not a parameter of the model)"
+        return "<a parameter>"
 
     def _guard_storage(self) -> None:
         """Refuse the commit (before any write) if a target's memory does not cover it: FSDP frees its
@@ -265,12 +331,17 @@ class Commit:
         opt = self.optimizer
         if opt is not None:
             self.rollback.protect_optimizer(opt, all_params=closure is not None)
-            context.committing.append(self)  # an attachment on this optimizer stands aside
+            context.local.committing.append(self)  # an attachment on this optimizer stands aside
             self.optimizer_starting()
+            scaler = self._scaler()
             try:
-                out = opt.step() if closure is None else opt.step(closure)
+                if scaler is not None:  # (no closure: refused with a scaler)
+                    out = scaler.step(opt)
+                    scaler.update()
+                else:
+                    out = opt.step() if closure is None else opt.step(closure)
             finally:
-                context.committing.remove(self)
+                context.local.committing.remove(self)
             if closure is not None:
                 self.journal.hide()
                 if self.state == "new":
@@ -486,7 +557,9 @@ def _pending_values(j: Journal, unsynced: bool = False) -> list[torch.Tensor]:
     return [e.value for e in j.entries.values() if e.value is not None and not (unsynced and e.sync is not None)]
 
 
-def _finite_flag(values: list[torch.Tensor], sharded: bool = False, grouped: dict | None = None) -> torch.Tensor | None:
+def _finite_flag(
+    values: list[torch.Tensor], sharded: bool = False, grouped: dict | None = None, grads: list[torch.Tensor] = ()
+) -> torch.Tensor | None:
     """A 0-dim bool on the CPU: all of ``values`` finite (None if none is floating); ``sharded``: some
     may be DTensors (their local shards are checked); ``grouped``: more values, already grouped by
     ``_group_tensors_by_device_and_dtype([dst, src])`` (the rows' commit groups: their ``src``).
@@ -494,7 +567,7 @@ def _finite_flag(values: list[torch.Tensor], sharded: bool = False, grouped: dic
     The values are grouped by device and dtype in C; each floating group is checked in a few
     kernels (:func:`_group_finite`); one host sync for all.
     """
-    if not values and not grouped:
+    if not values and not grouped and not grads:
         return None
     flags = []
     with torch.no_grad():
@@ -511,6 +584,8 @@ def _finite_flag(values: list[torch.Tensor], sharded: bool = False, grouped: dic
         for (_dev, dt), ([_dst, ts], _) in grouped.items() if grouped else ():
             if dt.is_floating_point or dt.is_complex:
                 flags.append(_group_finite(ts).cpu())
+        if grads:
+            flags.extend(_grads_finite(grads, sharded))
     if not flags:
         return None
     return flags[0] if len(flags) == 1 else torch.stack(flags).all()
@@ -525,28 +600,99 @@ no copy (``torch._foreach_norm(inf)``)."""
 def _group_finite(ts: list[torch.Tensor]) -> torch.Tensor:
     """A 0-dim bool: every element of ``ts`` (one device and dtype) is finite."""
     if sum(map(torch.Tensor.numel, ts)) <= CAT_NUMEL:
-        if ts[0].dim() == 1 and ts[-1].dim() == 1:
-            try:
-                return torch.cat(ts).isfinite().all()  # 1-D values (statistics): the fastest concatenation
-            except RuntimeError:
-                pass  # (some are not 1-D)
+        if all(map((1).__eq__, map(torch.Tensor.dim, ts))):
+            # 1-D values (statistics): the fastest concatenation (every one 1-D: checked, not caught,
+            # since dynamo cannot catch the error of a traced cat, and gradients of any rank join them)
+            return torch.cat(ts).isfinite().all()
         chunk_cat = getattr(torch, "_chunk_cat", None)
         if chunk_cat is not None:
             return chunk_cat([t if t.dim() else t.reshape(1) for t in ts], 0, 1).isfinite().all()
     return torch.stack(torch._foreach_norm(ts, math.inf)).isfinite().all()
 
 
-def _nonfinite(j: Journal, rows_grouped: dict | None) -> list[Entry]:
-    """The entries whose pending value is not finite (one batched check; per entry only on failure)."""
-    ok = _finite_flag(_pending_values(j), j.any_sharded, rows_grouped)
+_grad_of = torch._C.TensorBase.grad.__get__  # the C getters, mapped without a Python-level loop
+_requires_grad = torch._C.TensorBase.requires_grad.__get__
+_layout_of = torch._C.TensorBase.layout.__get__
+
+
+def _dense(g: torch.Tensor) -> torch.Tensor:
+    """A sparse gradient's values (what decides whether it is finite); a dense one as it is."""
+    return g if g.layout == torch.strided else g.coalesce().values()
+
+
+def _grads_finite(grads: list[torch.Tensor], sharded: bool) -> list[torch.Tensor]:
+    """Per device and dtype of ``grads``, a 0-dim bool on the CPU: all finite. GradScaler's check,
+    ``torch._amp_foreach_non_finite_check_and_unscale_`` (one kernel per group on an accelerator; no
+    copy), with a scale of 1: every value is written back as it is. Gradients that require grad
+    (``create_graph=True``) or are complex get :func:`_group_finite` instead, which writes nothing."""
+    gs = sharding.locals_of(grads) if sharded else grads
+    if not torch.compiler.is_compiling() and not any(map(_requires_grad, gs)):
+        # one call for all (the common case: one device), grouped only if it refuses them
+        dev = gs[0].device
+        found = torch.zeros(1, device=dev)
+        try:
+            torch._amp_foreach_non_finite_check_and_unscale_(gs, found, torch.ones(1, device=dev))
+        except RuntimeError:
+            pass  # several devices, complex or sparse values: by group below
+        else:
+            return [found.eq(0).reshape(()).cpu()]
+    if any(layout is not torch.strided for layout in set(map(_layout_of, gs))):
+        gs = list(map(_dense, gs))
+    out = []
+    for (dev, dt), ([ts], _) in _group_tensors_by_device_and_dtype([gs]).items():
+        if not (dt.is_floating_point or dt.is_complex):
+            continue
+        if dt.is_complex or any(map(_requires_grad, ts)):
+            out.append(_group_finite(ts).cpu())
+            continue
+        found = torch.zeros(1, device=dev)
+        torch._amp_foreach_non_finite_check_and_unscale_(ts, found, torch.ones(1, device=dev))
+        out.append(found.eq(0).reshape(()).cpu())
+    return out
+
+
+_PARAMS: weakref.WeakKeyDictionary[Any, tuple[tuple, list[torch.Tensor]]] = weakref.WeakKeyDictionary()
+"""Per optimizer: its parameters, flat, and the shape of its param groups they were read from."""
+
+
+def _grads(optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The parameters of ``optimizer`` that have a gradient, and those gradients: what
+    ``optimizer.step()`` will use."""
+    groups = optimizer.param_groups
+    key = tuple([(id(g["params"]), len(g["params"])) for g in groups])
+    hit = _PARAMS.get(optimizer)
+    if hit is not None and hit[0] == key:
+        params = hit[1]
+    else:
+        params = [p for g in groups for p in g["params"]]
+        _PARAMS[optimizer] = (key, params)
+    grads = list(map(_grad_of, params))
+    if any(map(operator.is_, grads, itertools.repeat(None))):
+        kept = [(p, g) for p, g in zip(params, grads) if g is not None]
+        params, grads = [p for p, _ in kept], [g for _, g in kept]
+    return params, grads
+
+
+def _nonfinite(
+    j: Journal, rows_grouped: dict | None, grads: list[torch.Tensor], sharded: bool
+) -> tuple[list[Entry], list[int]]:
+    """The entries whose pending value is not finite, and the indices of the non-finite ``grads``
+    (one batched check for all; per tensor only on failure)."""
+    ok = _finite_flag(_pending_values(j), sharded, rows_grouped, grads)
     if ok is None or bool(ok):
-        return []
+        return [], []
     j.absorb()  # name them: rows become entries
     entries = list(j.entries.values())
-    return [
+    bad = [
         e
         for e in entries
         if e.value is not None
         and (e.value.is_floating_point() or e.value.is_complex())
         and not bool(sharding.local(e.value).isfinite().all())
     ]
+    bad_grads = [
+        i
+        for i, g in enumerate(grads)
+        if (g.is_floating_point() or g.is_complex()) and not bool(_dense(sharding.local(g)).isfinite().all())
+    ]
+    return bad, bad_grads

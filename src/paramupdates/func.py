@@ -58,14 +58,18 @@ def functional_call(
     trainable parameters need a phase (ambiguity is an error, rule 5), as in a step.
     """
     j = Journal(ModelIndex(module), None, "pu.func.functional_call")
-    context.explicit.append(j)
+    j.watch = False  # torch.func swaps the module's tensors itself
+    context.local.explicit.append(j)
+    context.steps.append(j)
     try:
         out = torch.func.functional_call(
             module, parameter_and_buffer_dicts, args, kwargs, tie_weights=tie_weights, strict=strict
         )
     finally:
-        if j in context.explicit:
-            context.explicit.remove(j)
+        if j in context.local.explicit:
+            context.local.explicit.remove(j)
+        if j in context.steps:
+            context.steps.remove(j)
         j.absorb()
         updates = {e.name: e.value for e in j.entries.values() if e.value is not None}
         j.discard()

@@ -7,7 +7,7 @@ pending value is computed out of place (``ops.apply_op``) and shown to later
 reads (``overlay``): read-your-writes in program order (rule 1). No storage
 is written (deferred commit, rule 2): saved tensors stay valid, version counters do not move.
 
-While a checkpointed segment is recomputed (``context.replay``), an update
+While a checkpointed segment is recomputed (``context.local.replay``), an update
 issued again moves only the replay's view and is not recorded (rule 3).
 
 The journal is written by the recording path and read by the commit
@@ -29,6 +29,22 @@ from .phases import AUXILIARY, ISSUE_PHASES, RECORD_PHASES
 from .targets import ModelIndex, TargetInfo
 
 _graph_task_id = torch._C._current_graph_task_id
+_local = context.local  # this thread's steps, conditions and replay (one attribute look-up less per update)
+_data_ptr = torch._C.TensorBase.data_ptr
+
+
+def _plain_view(t: torch.Tensor) -> torch.Tensor:
+    """A plain detached view of ``t``'s storage (a ``pu.Parameter``'s pending value not substituted)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return t.detach()
+
+
+def _where(t: Any) -> str:
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    return f"{str(t.dtype).removeprefix('torch.')} on {t.device}"
+
+
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -105,6 +121,8 @@ class Journal:
         self.any_sharded = False  # some entry's target is a DTensor (its values are checked through local shards)
         self.state = "open"  # open -> committing -> closed
         self.done_phases: set[str] = set()
+        self.changed: list[str] = []  # targets changed while updates to them were pending (hide())
+        self.watch = True  # check for such changes (pu.func's journal: torch.func swaps the slots itself)
         self._opt_ids: set[int] | None = None
 
     # ------------------------------------------------------------------
@@ -142,7 +160,7 @@ class Journal:
             e = self.aliases.get(id(t))
             if e is not None and e.value is t:
                 return e
-        replay = context.replay
+        replay = _local.replay
         if replay is not None:
             e = replay.lookup(self, t)  # a value shown by a checkpoint recomputation
             if e is not None:
@@ -164,6 +182,8 @@ class Journal:
                 self.entries[id(t)] = e
                 if e.sharded:
                     self.any_sharded = True
+                if e.shows == overlay.PARAM:
+                    e.raw = _plain_view(t)  # its storage now (check_storage: replaced in the step?)
                 return e
         info = self.index.lookup(t)
         if info is None:
@@ -185,6 +205,8 @@ class Journal:
         if reuse is not None and not compiling:
             e.journal = self
             reuse[id(t)] = e
+        if e.shows == overlay.PARAM and not compiling and not e.sharded:
+            e.raw = _plain_view(t)  # its storage now (check_storage: replaced in the step?)
         return e
 
     def _in_rows(self, t: torch.Tensor, compiling: bool) -> bool:
@@ -275,7 +297,7 @@ class Journal:
                 f"pu.{op} on {e.name!r} at {origin} with phase={phase!r} was issued after that phase was "
                 f"committed (inside optimizer.step()). Issue it before the optimizer step, or use a later phase."
             )
-        replay = context.replay
+        replay = _local.replay
         # (While dynamo traces, this is not a runtime check; a compiled forward
         # is not re-run by autograd: checkpointing inside it is a graph op.)
         if replay is None and not compiling and _graph_task_id() != -1:
@@ -286,12 +308,12 @@ class Journal:
                 "pu.checkpoint (or torch.utils.checkpoint with use_reentrant=False) for activation "
                 "checkpointing."
             )
-        if replay is None and not compiling and context.eager_log is None and hooks.segment_probes:
+        if replay is None and not compiling and _local.eager_log is None and hooks.segment_probes:
             hooks.adopt_segment()  # inside a torch.utils.checkpoint segment: note its entry values (replay, rule 3)
         support = None if compiling else hooks.sharding_support()
         if support is not None and not e.records:
             support.check_update(self, e, f"pu.{op}", origin)  # sharding hook: FSDP's temporary parameters
-        cond = context.conditions[-1]
+        cond = _local.conditions[-1]
         pred = cond if isinstance(cond, torch.Tensor) else None
         if new is not None:
             if pred is not None:
@@ -305,7 +327,8 @@ class Journal:
                     operand = self.read(operand, compiling)
                     if not e.trainable:
                         operand = operand.detach()
-            new = apply_op(op, overlay.plain(self.current_of(e)), operand, key, pred, fresh)
+            old = e.current() if replay is None else replay.current(self, e)  # (current_of, inlined)
+            new = apply_op(op, overlay.plain(old), operand, key, pred, fresh)
             if not e.trainable:
                 new = new.detach()
         if e.sharded and support is not None:
@@ -325,15 +348,15 @@ class Journal:
         """Several internal auxiliary updates whose new values the caller computed (``pu.nn``'s
         statistics: ``(entry, op, operand, new value)``), checked together: what :meth:`record`
         checks that does not depend on the target, once."""
-        replay = context.replay
+        replay = _local.replay
         if self.done_phases and AUXILIARY in self.done_phases:
             self.record(items[0][0], "assign", items[0][3], None, None, sync, origin, True, compiling)  # raises
         if replay is None and not compiling:
             if _graph_task_id() != -1:
                 self.record(items[0][0], "assign", items[0][3], None, None, sync, origin, True, compiling)  # raises
-            if context.eager_log is None and hooks.segment_probes:
+            if _local.eager_log is None and hooks.segment_probes:
                 hooks.adopt_segment()  # inside a torch.utils.checkpoint segment (replay, rule 3)
-        cond = context.conditions[-1]
+        cond = _local.conditions[-1]
         pred = cond if isinstance(cond, torch.Tensor) else None
         for e, op, operand, new in items:
             if e.trainable or sync is not None or e.sync is not None:
@@ -353,7 +376,7 @@ class Journal:
         tuple each: the fast path of :meth:`record_computed`. False (nothing recorded) unless every
         target is a buffer or a non-trainable parameter of the model with nothing pending, and no
         recomputation, checkpointed segment, backward or committed auxiliary phase is in the way."""
-        if context.replay is not None or context.eager_log is not None or AUXILIARY in self.done_phases:
+        if _local.replay is not None or _local.eager_log is not None or AUXILIARY in self.done_phases:
             return False
         if not compiling and (_graph_task_id() != -1 or (hooks.segment_probes and hooks.in_segment())):
             return False
@@ -381,7 +404,7 @@ class Journal:
                 if info is None or info.ref() is not t or info.shows == overlay.PARAM or info.sharded:
                     return False
                 infos.append(info)
-        cond = context.conditions[-1]
+        cond = _local.conditions[-1]
         pred = cond if isinstance(cond, torch.Tensor) else None
         rows, order, ids, dst, src = self.rows, self.order, self.row_ids, self.row_dst, self.row_src
         for (t, op, operand, new), info in zip(updates, infos):
@@ -441,10 +464,43 @@ class Journal:
             if overlay.show(e, new, e, old):
                 e.swapped = True
 
+    def pending_names(self) -> list[str]:
+        """The qualified names of the targets with pending updates."""
+        names = [e.name for e in self.entries.values() if e.value is not None]
+        names.extend(row[1].name for row in self.rows)
+        return names
+
+    def pending_name_of(self, t: torch.Tensor) -> str | None:
+        """The name of ``t`` if it is a target with pending updates, or the pending value of one."""
+        e = self.entries.get(id(t))
+        if e is not None and e.target is t and e.value is not None:
+            return e.name
+        found = self.stored_of(t)
+        if found is not None:
+            return self.pending_name_of(found[0])
+        if self.rows and self._in_rows(t, False):
+            return self.rows[self.row_ids[id(t)]][1].name
+        return None
+
+    def stored_of(self, v: torch.Tensor) -> tuple[torch.Tensor, dict | None] | None:
+        """``(target, buffer slots)`` when ``v`` is the pending value of one of this step's targets,
+        else None (for serialization: the stored tensor stands for its pending value)."""
+        if self.aliases_stale:
+            self.aliases = {id(x.value): x for x in self.entries.values() if x.value is not None}
+            self.aliases_stale = False
+        e = self.aliases.get(id(v))
+        if e is not None and e.value is v:
+            return e.target, e.slots
+        if self.rows and self._in_rows(v, False):
+            row = self.rows[self.row_ids[id(v)]]
+            if row[4] is v:
+                return row[0], row[1].slots
+        return None
+
     def current_of(self, e: Entry) -> torch.Tensor:
         """What a read of ``e``'s target sees now: its pending value, or the value a checkpoint
-        recomputation shows (``context.replay``)."""
-        replay = context.replay
+        recomputation shows (``context.local.replay``)."""
+        replay = _local.replay
         if replay is not None:
             return replay.current(self, e)
         return e.current()
@@ -466,17 +522,67 @@ class Journal:
         self.shown = False
         for row in self.rows:  # (t, info, op, operand, value, pred, origin, pos, slots, attr)
             slots = row[8]
-            if slots is not None and slots.get(row[9]) is row[4]:
-                slots[row[9]] = row[0]
+            if slots is not None:
+                cur = slots.get(row[9])
+                if cur is row[4]:
+                    slots[row[9]] = row[0]
+                elif cur is not row[0]:
+                    self._replaced(row[1].name, row[0], cur)
         for e in self.entries.values():
             slots = e.slots
             if slots is not None:  # overlay.hide, inlined: this loop runs over every target, every step
                 value = e.value
-                if value is not None and slots.get(e.attr) is value:
-                    slots[e.attr] = e.target
+                if value is not None:
+                    cur = slots.get(e.attr)
+                    if cur is value:
+                        slots[e.attr] = e.target
+                    elif cur is not e.target:
+                        self._replaced(e.name, e.target, cur)
                 e.swapped = False
             elif e.shows is not None:
                 overlay.hide(e, e.value, e)
+
+    # ------------------------------------------------------------------
+    # targets changed under the step (model.to(), .half(), to_empty(), .data = ...)
+    # ------------------------------------------------------------------
+    def _replaced(self, name: str, stored: torch.Tensor, now: Any) -> None:
+        """A buffer slot holds ``now``, neither the target nor its pending value: ``Module._apply``
+        (``model.to()``, ``.half()``, ``to_empty()``) converted the pending value it showed. The
+        conversion is applied to the stored value instead (``now`` takes its values), and the step
+        may not commit (:meth:`changes`)."""
+        if not self.watch:
+            return
+        if isinstance(now, torch.Tensor) and now.shape == stored.shape:
+            with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+                now.copy_(stored)
+        self.changed.append(f"{name!r} (its buffer was converted or replaced: now {_where(now)})")
+
+    def check_storage(self) -> list[str]:
+        """After :meth:`hide`: the targets changed while updates to them were pending (their buffer
+        slot replaced, see :meth:`_replaced`; a parameter replaced in its module, its storage, dtype
+        or device changed). A ``pu.Parameter`` whose storage a conversion replaced showed its pending
+        value to that conversion: it gets the stored value, converted. Returns what changed."""
+        for e in self.entries.values() if self.watch else ():
+            if e.value is None or e.slots is not None or e.sharded:
+                continue
+            t = e.target
+            info = e.info
+            owner = info.owner if info is not None and info.kind == "parameter" else None
+            now = owner._parameters.get(e.attr) if owner is not None else t
+            if now is not t:
+                # a new parameter object in the slot (to_empty, overwrite-on-conversion, module.x = ...)
+                if isinstance(now, torch.Tensor) and now.shape == t.shape:
+                    with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+                        now.detach().copy_(e.raw if e.raw is not None else t)
+                self.changed.append(f"{e.name!r} (the parameter was replaced: now {_where(now)})")
+            elif e.raw is not None and e.shows == overlay.PARAM and _data_ptr(_plain_view(t)) != _data_ptr(e.raw):
+                with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+                    t.detach().copy_(e.raw)  # the stored value, converted, in place of the pending one
+                self.changed.append(f"{e.name!r} (its storage was replaced: now {_where(t)})")
+            elif t.dtype != e.value.dtype or t.device != e.value.device:
+                self.changed.append(f"{e.name!r} (converted: now {_where(t)})")
+        changed, self.changed = self.changed, []
+        return changed
 
     def show_pending(self) -> None:
         """Show the values still pending (those of phases not committed yet) again."""
@@ -493,6 +599,7 @@ class Journal:
     def discard(self) -> None:
         """Drop every pending update; storage was never touched."""
         self.hide()
+        self.check_storage()  # (a conversion in the step keeps the stored values, converted)
         self.close()
 
     def close(self) -> None:

@@ -103,10 +103,11 @@ def check_operand(op: str, target: torch.Tensor, operand: Any, key: Any, name: s
                 f"Move it first: value.to({str(target.device)!r})."
             )
         if not _kind_ok(operand.dtype, target.dtype):
+            how = "value.real" if operand.dtype.is_complex else "value.round()"
             raise UpdateError(
                 f"{where_}: value of dtype {operand.dtype} cannot be stored in a {target.dtype} "
                 f"target without losing its kind (e.g. float into int). Convert it explicitly "
-                f"(value.round().to({target.dtype})) if that is what you mean."
+                f"({how}.to({target.dtype})) if that is what you mean."
             )
         if op == "assign_key":
             try:
@@ -124,12 +125,26 @@ def check_operand(op: str, target: torch.Tensor, operand: Any, key: Any, name: s
                 f"{where_}: value has shape {tuple(operand.shape)}, the target {tuple(target.shape)}. "
                 "An update keeps the target's shape: pass a tensor of exactly that shape or a scalar."
             )
-    elif isinstance(operand, bool | int | float):
+    elif isinstance(operand, bool | int | float | complex):
+        if isinstance(operand, complex) and not target.is_complex():
+            raise UpdateError(
+                f"{where_}: a complex value cannot be stored in a {target.dtype} target without losing its "
+                "imaginary part. Pass a real number (value.real), or make the target complex."
+            )
         if isinstance(operand, float) and not (target.is_floating_point() or target.is_complex()):
             raise UpdateError(
                 f"{where_}: a float value cannot be stored in a {target.dtype} target. "
                 "Pass an int, or convert the target."
             )
+        if type(operand) is int and not (
+            target.is_floating_point() or target.is_complex() or target.dtype == torch.bool
+        ):
+            info = torch.iinfo(target.dtype)
+            if not info.min <= operand <= info.max:
+                raise UpdateError(
+                    f"{where_}: the value {operand} does not fit a {target.dtype} target (range {info.min} to "
+                    f"{info.max}). Pass a value in range, or use a wider target dtype (e.g. torch.int64)."
+                )
         if op == "assign_key":
             try:
                 target.detach()[key]

@@ -19,6 +19,7 @@ class StepOptionsDict(TypedDict, total=False):
     copy_for_rollback: bool
     process_group: Any
     sync_timeout: float | datetime.timedelta | None
+    scaler: Any
 
 
 @dataclass(frozen=True)
@@ -26,11 +27,12 @@ class StepOptions:
     """How a step commits.
 
     Attributes:
-        on_nonfinite: ``"raise"`` (an :class:`~paramupdates.UpdateError`, nothing written) or ``"skip"``
-            (drop the whole step, optimizer included, and count it in ``skipped_steps``) when a
-            pending value is NaN or infinite.
-        check_finite: check pending values for NaN/inf at commit (one batched reduction and one
-            host sync per step); ``False`` skips the check.
+        on_nonfinite: ``"raise"`` (an :class:`~paramupdates.UpdateError` naming the target or the
+            parameter, nothing written) or ``"skip"`` (drop the whole step, optimizer included, and
+            count it in ``skipped_steps``) when a pending value, or a gradient the optimizer would
+            use, is NaN or infinite (as ``torch.amp.GradScaler`` checks gradients).
+        check_finite: check pending values and the optimizer's gradients for NaN/inf at commit (one
+            batched reduction and one host sync per step); ``False`` skips the check.
         copy_for_rollback: before the commit writes while a fallible stage (the optimizer's step,
             a rule that runs user code) is still to come, copy what it writes and the optimizer's
             state, so that an exception there restores everything bitwise (validated commit,
@@ -45,6 +47,13 @@ class StepOptions:
         sync_timeout: seconds (or a ``timedelta``) to wait for the other ranks at the commit's
             all-reduce before raising :class:`~paramupdates.UpdateError`; ``None``: the group's own
             timeout (``init_process_group(timeout=...)``).
+        scaler: a ``torch.amp.GradScaler`` (``pu.step`` / ``Stepper`` only): the commit's gradient
+            update is ``scaler.step(optimizer)`` then ``scaler.update()``, in place of
+            ``optimizer.step()``. A step whose (scaled) gradients are not finite is skipped whole, as
+            with ``on_nonfinite="skip"`` and whatever ``on_nonfinite`` says (overflow is the scaler's
+            business): nothing of it is written, it is counted in ``skipped_steps``, and
+            ``scaler.update()`` lowers the scale. Under ``pu.attach`` call ``scaler.step(opt)`` and
+            ``scaler.update()`` in the loop as usual instead.
     """
 
     on_nonfinite: str = "raise"
@@ -52,10 +61,15 @@ class StepOptions:
     copy_for_rollback: bool = False
     process_group: Any = None
     sync_timeout: float | None = None
+    scaler: Any = None
 
     def __post_init__(self) -> None:
         if self.on_nonfinite not in NONFINITE:
             raise ValueError(f"on_nonfinite must be 'raise' or 'skip', not {self.on_nonfinite!r}")
+        if self.scaler is not None and not (
+            callable(getattr(self.scaler, "step", None)) and callable(getattr(self.scaler, "update", None))
+        ):
+            raise TypeError(f"scaler= takes a torch.amp.GradScaler, not {type(self.scaler).__name__}")
         if self.process_group is not None or self.sync_timeout is not None:
             secs = hooks.sync_backend("process_group/sync_timeout").check_options(self.process_group, self.sync_timeout)
             object.__setattr__(self, "sync_timeout", secs)
@@ -68,6 +82,12 @@ def make_options(options: dict[str, Any], where: str) -> StepOptions:
         raise TypeError(
             f"{where}: atomic= is now copy_for_rollback= (default False: no copy of the parameters and "
             "optimizer state; every check still runs before the first write)."
+        )
+    if "scaler" in options and options["scaler"] is not None and where not in ("pu.step", "pu.Stepper"):
+        raise TypeError(
+            f"{where}: scaler= is for pu.step / pu.Stepper, whose commit calls the optimizer step. Under "
+            "pu.attach keep scaler.step(optimizer) and scaler.update() in your loop: the attachment commits "
+            "inside the optimizer.step() that scaler.step makes."
         )
     if unknown:
         raise TypeError(

@@ -13,8 +13,10 @@ from typing import Any
 
 import torch
 
-from . import context
+from . import context, guards
 from .updates import issue
+
+_empty_like = torch.empty_like
 
 # Attributes that describe the parameter object itself, never its value.
 _STATE_ATTRS = frozenset(
@@ -162,7 +164,10 @@ class Parameter(torch.nn.Parameter):
             if kwargs:
                 kwargs = {k: _sub(v) for k, v in kwargs.items()}
         with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+        if func is _empty_like and args and isinstance(args[0], Parameter):
+            guards.note_materialized(out, args[0])  # to_empty(): the index keeps the pu.Parameter type
+        return out
 
     # -- methods: the update functions, bound ----------------------------
     def assign(self, value: Any, *, phase: str | None = None, sync: str | None = None) -> None:
@@ -195,6 +200,12 @@ class Parameter(torch.nn.Parameter):
         with torch._C.DisableTorchFunctionSubclass():
             data = self.detach()
         return (_rebuild, (data, self.requires_grad, self.auxiliary, self.weight_decay))
+
+    @classmethod
+    def pu_rebuild(cls, old: Parameter, new: torch.nn.Parameter) -> Parameter:
+        """``new`` (a plain parameter that replaces ``old``, e.g. from ``load_state_dict(assign=True)``)
+        as a ``pu.Parameter`` with ``old``'s attributes, sharing ``new``'s storage."""
+        return cls(new, trainable=new.requires_grad, auxiliary=old.auxiliary, weight_decay=old.weight_decay)
 
     def __repr__(self) -> str:
         kind = "auxiliary " if self.auxiliary else ""

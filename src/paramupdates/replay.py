@@ -9,7 +9,7 @@ mechanism calls it is glue (``integrations/checkpoint.py`` for
 * entering a segment in forward, :func:`entry_values` notes what every live
   journal shows for its targets: one reference per pending target, no copy
   (pending values are never written in place, deferred commit (rule 2));
-* during the recomputation, ``context.replay`` is a :class:`Replay` that shows
+* during the recomputation, ``context.local.replay`` is a :class:`Replay` that shows
   those values instead of the journals' latest ones. An update issued again
   moves only the replay's own view (so the segment's later reads see it, as
   they did the first time) and is not recorded: the journal keeps the one
@@ -42,8 +42,12 @@ EntryValues = dict[tuple[int, int], torch.Tensor]
 
 
 def live_journals() -> list[Journal]:
-    """Every open journal: explicit steps (innermost first), then attachments'."""
-    out = list(reversed(context.explicit))
+    """Every open journal this thread sees: its explicit steps (innermost first), then attachments'.
+    While this thread recomputes a checkpointed segment: the journals of that segment's forward."""
+    replay = context.local.replay
+    if replay is not None:
+        return replay.journals
+    out = list(reversed(context.local.explicit))
     for att in context.attachments:
         if att.journal is not None:
             out.append(att.journal)
@@ -80,11 +84,17 @@ class Replay:
     ``Journal.record`` calls instead of recording.
     """
 
-    def __init__(self, snap: EntryValues, eager: EagerLog | None) -> None:
+    def __init__(self, snap: EntryValues, eager: EagerLog | None, explicit: list[Journal]) -> None:
         self.scratch: dict[tuple[int, int], torch.Tensor] = dict(snap)
         self.alias: dict[int, Entry] = {}
         self.eager = eager
-        self._journals = live_journals()
+        # The explicit steps live when the segment's forward ran (noted then, in that thread: the
+        # recomputation may run in another one), then the attachments' journals.
+        self.explicit = explicit
+        self.journals: list[Journal] = list(explicit)
+        for att in context.attachments:
+            if att.journal is not None and att.journal not in self.journals:
+                self.journals.append(att.journal)
 
     def eager_write(self, op: str, target: torch.Tensor, operand: Any, key: Any, cond: Any) -> None:
         """An eager update issued again by the recomputation: it moves the target's entry value
@@ -120,7 +130,7 @@ class Replay:
 
     def install(self) -> None:
         """Show the values at segment entry."""
-        for j in self._journals:
+        for j in self.journals:
             for e in j.entries.values():
                 v = self.current(j, e)
                 self.alias[id(v)] = e
@@ -128,7 +138,7 @@ class Replay:
 
     def uninstall(self) -> None:
         """Show the journals' latest values again."""
-        for j in self._journals:
+        for j in self.journals:
             for e in list(j.entries.values()):
                 if e.shows == overlay.PARAM:
                     if e.value is None:
@@ -201,9 +211,12 @@ class Segment:
     def __init__(self) -> None:
         self.values: EntryValues | None = None
         self.log: EagerLog | None = None
+        self.explicit: list[Journal] = []
 
     def noted(self, parent: EagerLog | None = None) -> EagerLog:
-        """Note the values shown now as the entry values; return the eager log."""
+        """Note the values shown now as the entry values, and this thread's steps; return the eager log."""
+        replay = context.local.replay  # (a segment inside a recomputation: that replay's steps)
+        self.explicit = replay.explicit if replay is not None else list(reversed(context.local.explicit))
         self.values = entry_values()
         self.log = EagerLog(parent)
         return self.log
@@ -221,11 +234,11 @@ class _Forward:
         self.prev: EagerLog | None = None
 
     def __enter__(self) -> None:
-        self.prev = context.eager_log
-        context.eager_log = self.seg.noted(self.prev)
+        self.prev = context.local.eager_log
+        context.local.eager_log = self.seg.noted(self.prev)
 
     def __exit__(self, *exc: Any) -> None:
-        context.eager_log = self.prev
+        context.local.eager_log = self.prev
 
 
 class _Recompute:
@@ -239,14 +252,14 @@ class _Recompute:
 
     def __enter__(self) -> None:
         log = self.seg.log
-        self.prev = context.replay
+        self.prev = context.local.replay
         if self.prev is not None:
             self.prev.uninstall()
-        self.replay = Replay(self.seg.values or {}, log)
+        self.replay = Replay(self.seg.values or {}, log, self.seg.explicit)
         self.replay.install()
-        context.replay = self.replay
-        self.prev_log = context.eager_log
-        context.eager_log = None
+        context.local.replay = self.replay
+        self.prev_log = context.local.eager_log
+        context.local.eager_log = None
         if log is not None and log.entry:
             self.versions = log.versions()
             self.latest = log.swap({k: v for k, (_, v) in log.entry.items()}, self.versions)
@@ -258,7 +271,7 @@ class _Recompute:
             self.seg.log.swap(self.latest, self.versions)
             self.latest = None
         self.replay.uninstall()
-        context.replay = self.prev
-        context.eager_log = self.prev_log
+        context.local.replay = self.prev
+        context.local.eager_log = self.prev_log
         if self.prev is not None:
             self.prev.install()

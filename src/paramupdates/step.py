@@ -22,12 +22,12 @@ import functools
 import types
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, Unpack
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from . import context, hooks
 from .commit import Commit
@@ -64,14 +64,20 @@ def commit_caches(index: ModelIndex, optimizer: torch.optim.Optimizer | None) ->
 class _Owner:
     """What Stepper and Attachment share: the model, the options, counters, the last schedule, state."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, options: StepOptions) -> None:
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, options: StepOptions, weak: bool = False
+    ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
         support = hooks.sharding_support()  # sharding hook: refuse engines whose parameters pu cannot update
         if support is not None:
             support.check_model(model, optimizer, type(self).__name__)
-        self.model = model
-        self.optimizer = optimizer
+        # ``weak`` (an attachment): model and optimizer are held weakly, so that a forgotten attachment
+        # keeps neither alive (docs/design.md, "Attachments hold their model weakly")
+        forget = self._forget if weak else None
+        self._model_ref = weakref.ref(model, forget)
+        self._optimizer_ref = weakref.ref(optimizer, forget) if optimizer is not None else None
+        self._strong = None if weak else (model, optimizer)
         self.options = options
         self.index = index_of(model)
         self.steps = 0
@@ -84,6 +90,22 @@ class _Owner:
         self._last = Schedule()
         self._last_skipped = False
         self._reuse_entries = commit_caches(self.index, optimizer)[2]
+
+    @property
+    def model(self) -> nn.Module:
+        """The model (``None`` once an attachment's model was collected)."""
+        return self._model_ref()  # type: ignore[return-value]
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer, if any (``None`` once an attachment's optimizer was collected)."""
+        ref = self._optimizer_ref
+        return None if ref is None else ref()
+
+    @staticmethod
+    def _forget(_ref: Any) -> None:
+        """Model or optimizer collected: drop every attachment left without one."""
+        context.attachments[:] = [a for a in context.attachments if a.model is not None and a.optimizer is not None]
 
     def _commit(self, journal: Journal, optimizer: torch.optim.Optimizer | None) -> Commit:
         c = Commit(journal, optimizer, self.options, commit_caches(self.index, optimizer), self._closed)
@@ -168,7 +190,12 @@ class Stepper(_Owner):
             commit's checks and ``before_grad`` run right after its first call,
             when the gradients exist. Updates it issues join the step.
         **options: see :class:`~paramupdates.options.StepOptions` (``on_nonfinite``,
-            ``check_finite``, ``copy_for_rollback``, ``process_group``, ``sync_timeout``).
+            ``check_finite``, ``copy_for_rollback``, ``process_group``, ``sync_timeout``,
+            ``scaler``).
+
+    While a step records, ``optimizer.step()`` belongs to its commit: a call made in the block
+    (or by ``GradScaler.step``) raises :class:`UpdateError` before the optimizer writes. Steps are
+    per thread: a thread's step is not seen by updates issued in other threads.
     """
 
     def __init__(
@@ -179,20 +206,20 @@ class Stepper(_Owner):
         closure: Callable[[], Any] | None = None,
         **options: Unpack[StepOptionsDict],
     ) -> None:
+        _check_arguments(model, optimizer, "pu.Stepper")
         super().__init__(model, optimizer, make_options(dict(options), "pu.Stepper"))
         self.closure = closure
+        if closure is not None and self.options.scaler is not None:
+            raise TypeError(
+                f"pu.Stepper at {call_site(2)}: closure= and scaler= do not go together "
+                "(torch.amp.GradScaler.step does not support closures)."
+            )
         self._journal: Journal | None = None
+        self._foreign: RemovableHandle | None = None  # refuses optimizer steps not made by the commit
 
-    @contextmanager
-    def step(self, closure: Callable[[], Any] | None = None) -> Iterator[Stepper]:
+    def step(self, closure: Callable[[], Any] | None = None) -> StepBlock:
         """Context manager: one step; commits on a clean exit, discards on an exception."""
-        j = self._open()
-        try:
-            yield self
-        except BaseException:
-            self._discard(j)
-            raise
-        self._finish(j, closure if closure is not None else self.closure)
+        return StepBlock(self, closure)
 
     def __enter__(self) -> Stepper:
         self._open()
@@ -214,8 +241,8 @@ class Stepper(_Owner):
 
     def _open(self) -> Journal:
         site = call_site(2)
-        if context.explicit:
-            other = context.explicit[-1]
+        if context.local.explicit:
+            other = context.local.explicit[-1]
             raise UpdateError(
                 f"pu.step at {site} for {type(self.model).__name__}: a step is already in progress "
                 f"({other.label}, for {type(other.index.model).__name__}); pu.step blocks do not nest. "
@@ -223,13 +250,21 @@ class Stepper(_Owner):
             )
         j = Journal(self.index, self.optimizer, f"pu.step at {site}", self._reuse())
         self._journal = j
-        context.explicit.append(j)
+        context.local.explicit.append(j)
+        context.steps.append(j)
+        if self.optimizer is not None:
+            self._foreign = _refuse_foreign_steps(self.optimizer, j)
         return j
 
     def _close(self, j: Journal) -> None:
-        if context.explicit and context.explicit[-1] is j:
-            context.explicit.pop()
+        if context.local.explicit and context.local.explicit[-1] is j:
+            context.local.explicit.pop()
+        if j in context.steps:
+            context.steps.remove(j)
         self._journal = None
+        if self._foreign is not None:
+            self._foreign.remove()
+            self._foreign = None
 
     def _discard(self, j: Journal) -> None:
         self._close(j)
@@ -249,13 +284,90 @@ class Stepper(_Owner):
         return self._journal
 
 
+class StepBlock:
+    """One step of a :class:`Stepper`, as a context manager (what ``pu.step(...)`` and
+    ``stepper.step()`` return): entered once, it commits on a clean exit and discards on an
+    exception. Entering it again is an :class:`UpdateError` (one ``pu.step(...)`` is one step)."""
+
+    def __init__(self, stepper: Stepper, closure: Callable[[], Any] | None) -> None:
+        self.stepper = stepper
+        self.closure = closure
+        self._journal: Journal | None = None
+        self._used_at: str | None = None
+
+    def __enter__(self) -> Stepper:
+        if self._used_at is not None:
+            raise UpdateError(
+                f"pu.step at {call_site(2)} for {type(self.stepper.model).__name__}: this pu.step(...) object "
+                f"was already used ({self._used_at}); one pu.step(...) is one step. Call "
+                "pu.step(model, optimizer) again for each step, or make a pu.Stepper once and enter it each "
+                "time (with stepper: ...)."
+            )
+        self._journal = self.stepper._open()
+        self._used_at = self._journal.label
+        return self.stepper
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        j, self._journal = self._journal, None
+        assert j is not None
+        if exc_type is not None:
+            self.stepper._discard(j)
+            return
+        self.stepper._finish(j, self.closure if self.closure is not None else self.stepper.closure)
+
+
+def _check_arguments(model: Any, optimizer: Any, where: str) -> None:
+    """``TypeError`` naming the call site for a model that is not a module or an optimizer that is
+    not one (``pu.step(model, model)``, swapped arguments)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"{where} at {call_site(3)}: the model must be a torch.nn.Module, not {type(model).__name__}. "
+            f"Call {where}(model, optimizer)."
+        )
+    if optimizer is not None and not (
+        callable(getattr(optimizer, "step", None)) and hasattr(optimizer, "param_groups")
+    ):
+        raise TypeError(
+            f"{where} at {call_site(3)} for {type(model).__name__}: the optimizer must be a torch.optim.Optimizer "
+            f"(or None), not {type(optimizer).__name__}. Call {where}(model, optimizer)."
+        )
+
+
+def _refuse_foreign_steps(optimizer: Any, j: Journal) -> RemovableHandle | None:
+    """While ``j``'s step records, an ``optimizer.step()`` that its commit does not make (the user's,
+    or ``GradScaler.step``'s) raises :class:`UpdateError` before the optimizer writes: the commit owns
+    that step. A step pre-hook on the optimizer, run before any other (an attachment's too)."""
+    try:
+        opt = hookable(optimizer)
+    except UpdateError:
+        return None  # no step hooks to guard with
+
+    def refuse(o: Any, args: Any, kwargs: Any) -> None:
+        if any(c.journal is j for c in context.local.committing):
+            return  # the commit's own call
+        name = type(o).__name__
+        raise UpdateError(
+            f"{name}.step() at {call_site(1)} was called inside {j.label}, which owns that optimizer step: "
+            f"its commit calls {name}.step() once, between the before_grad and after_grad phases, at the end "
+            "of the block (this call would update the parameters a second time, in the middle of the "
+            "transaction). Remove the optimizer.step() call from the block; with a torch.amp.GradScaler, "
+            "remove scaler.step(optimizer) and scaler.update() too and pass scaler=scaler to pu.step. Or "
+            "keep a loop that calls optimizer.step() itself with pu.attach(model, optimizer) instead of "
+            "pu.step. Nothing was written; the step is discarded."
+        )
+
+    handle = opt.register_step_pre_hook(refuse)
+    opt._optimizer_step_pre_hooks.move_to_end(handle.id, last=False)  # before an attachment's pre-hook
+    return handle
+
+
 def step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     *,
     closure: Callable[[], Any] | None = None,
     **options: Unpack[StepOptionsDict],
-) -> Any:
+) -> StepBlock:
     """One training step as a transaction (context manager yielding a :class:`Stepper`).
 
     ``with pu.step(model, opt) as s: loss.backward()`` records every update
@@ -264,8 +376,12 @@ def step(
     ``auxiliary``, ``after_step``). An exception discards the step.
     ``s.schedule()`` afterwards is the committed plan. ``closure`` and
     ``**options`` (``on_nonfinite="raise"`` or ``"skip"``, ``check_finite``,
-    ``copy_for_rollback``, ``process_group``, ``sync_timeout``): see :class:`Stepper`.
+    ``copy_for_rollback``, ``process_group``, ``sync_timeout``, ``scaler``): see :class:`Stepper`.
+    The commit makes the optimizer's step: do not call ``optimizer.step()`` in the block (it raises
+    before writing); with a ``torch.amp.GradScaler`` pass ``scaler=scaler``. The returned object is
+    one step: enter it once.
     """
+    _check_arguments(model, optimizer, "pu.step")
     return Stepper(model, optimizer, closure=closure, **options).step()
 
 
@@ -300,14 +416,18 @@ class Attachment(_Owner):
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, **options: Unpack[StepOptionsDict]) -> None:
+        _check_arguments(model, optimizer, "pu.attach")
         optimizer = hookable(optimizer)
-        super().__init__(model, optimizer, make_options(dict(options), "pu.attach"))
+        super().__init__(model, optimizer, make_options(dict(options), "pu.attach"), weak=True)
+        self.origin = call_site(2)
+        self.label = f"pu.attach({type(model).__name__}) at {self.origin}"
         self.journal: Journal | None = None  # the step being recorded (or committed)
         self.commit: Commit | None = None  # its commit, between the pre- and post-hook
         for other in context.attachments:
             if other.model is model:
                 raise UpdateError(
-                    f"pu.attach: {type(model).__name__} is already attached; detach() the first attachment."
+                    f"pu.attach at {self.origin}: {type(model).__name__} is already attached ({other.label}); "
+                    "call detach() on that attachment first."
                 )
         self._pre = optimizer.register_step_pre_hook(self._pre_hook)
         self._post = optimizer.register_step_post_hook(self._post_hook)
@@ -324,29 +444,32 @@ class Attachment(_Owner):
         """Wrap ``optimizer.step`` on the instance so that an exception inside it rolls the commit back
         at once. A bound method (``torch.optim.lr_scheduler`` wraps ``opt.step.__func__``), keeping the
         marks of a wrapper already there (an LR scheduler's ``_wrapped_by_lr_sched``)."""
-        self._orig_step = optimizer.step
-        self._prev_step_attr = optimizer.__dict__.get("step")  # an instance wrapper already there
+        orig = optimizer.step
+        prev = optimizer.__dict__.get("step")  # an instance wrapper already there
+        # what optimizer.step was, kept as a function of the optimizer: a bound method would hold the
+        # optimizer, which the attachment holds weakly
+        self._prev_step = (_unbound(prev, optimizer), _unbound(prev, optimizer) is not prev)  # (fn, was bound)
         attachment = weakref.ref(self)
-        orig = self._orig_step
+        call_orig = _as_function_of(orig, optimizer)
 
         @functools.wraps(type(optimizer).step)
         def step(opt: Any, *args: Any, **kwargs: Any) -> Any:
             att = attachment()
             if att is None or att._detached:
-                return orig(*args, **kwargs)
-            return att._guarded_step(*args, **kwargs)
+                return call_orig(opt, *args, **kwargs)
+            return att._guarded_step(call_orig, opt, *args, **kwargs)
 
         step.__dict__.update(getattr(orig, "__dict__", {}))
         step.__dict__.pop("__wrapped__", None)
-        self._guard = types.MethodType(step, optimizer)
-        optimizer.step = self._guard  # type: ignore[method-assign]
+        self._guard_fn = step
+        optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
 
-    def _guarded_step(self, *args: Any, **kwargs: Any) -> Any:
+    def _guarded_step(self, orig: Callable[..., Any], opt: Any, *args: Any, **kwargs: Any) -> Any:
         """``optimizer.step``: on an exception the step is ended (restored, or its pending updates dropped)
         before it propagates."""
         self._calls += 1
         try:
-            return self._orig_step(*args, **kwargs)
+            return orig(opt, *args, **kwargs)
         except BaseException as exc:
             if self.commit is not None:
                 self._abort(exc)
@@ -368,7 +491,7 @@ class Attachment(_Owner):
             return (self.journal, e) if e is not None else (None, None)
         if self.index.lookup(t) is None:
             return None, None
-        self.journal = Journal(self.index, self.optimizer, f"pu.attach({type(self.model).__name__})", self._reuse())
+        self.journal = Journal(self.index, self.optimizer, self.label, self._reuse())
         return self.journal, self.journal.find(t, True, compiling)
 
     def journal_for(self, t: torch.Tensor, compiling: bool = False) -> Journal | None:
@@ -377,7 +500,7 @@ class Attachment(_Owner):
         if self.index.peek(t) is None:
             return None
         if self.journal is None:
-            self.journal = Journal(self.index, self.optimizer, f"pu.attach({type(self.model).__name__})", self._reuse())
+            self.journal = Journal(self.index, self.optimizer, self.label, self._reuse())
         return self.journal
 
     def _owned_elsewhere(self, t: torch.Tensor) -> bool:
@@ -393,7 +516,7 @@ class Attachment(_Owner):
             return False
         if self.journal is not None and self.journal.find(t, create=False) is not None:
             return False
-        for j in context.explicit:
+        for j in context.local.explicit:
             if j.index.peek(t) is not None:
                 return True
         return any(other is not self and other.index.peek(t) is not None for other in context.attachments)
@@ -421,7 +544,7 @@ class Attachment(_Owner):
         self._nested = 0
 
     def _pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
-        if _run_by_explicit_commit(optimizer):
+        if _run_by_explicit_commit(optimizer) or self.model is None:
             return None
         if self.commit is not None and not self._hooks_running and self._inside_own_step():
             # A nested step: an optimizer subclass calling super().step(), whose
@@ -430,7 +553,7 @@ class Attachment(_Owner):
             return None
         self._recover()  # the previous optimizer.step() raised, called around the wrapper
         if self.journal is None:
-            self.journal = Journal(self.index, self.optimizer, f"pu.attach({type(self.model).__name__})", self._reuse())
+            self.journal = Journal(self.index, self.optimizer, self.label, self._reuse())
         c = self.commit = self._commit(self.journal, optimizer)
         self._step_calls = self._calls
         self._hooks_running = True
@@ -458,7 +581,7 @@ class Attachment(_Owner):
         return None
 
     def _post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if _run_by_explicit_commit(optimizer):
+        if _run_by_explicit_commit(optimizer) or self.model is None:
             return
         if self._nested:
             self._nested -= 1
@@ -510,12 +633,15 @@ class Attachment(_Owner):
         self._pre.remove()
         self._post.remove()
         self._detached = True
-        opt_dict = self.optimizer.__dict__  # type: ignore[union-attr]
-        if opt_dict.get("step") is self._guard:
-            if self._prev_step_attr is None:
+        opt = self.optimizer
+        opt_dict = opt.__dict__ if opt is not None else {}
+        now = opt_dict.get("step")
+        if isinstance(now, types.MethodType) and now.__func__ is self._guard_fn:
+            prev, bound = self._prev_step
+            if prev is None:
                 del opt_dict["step"]
             else:
-                opt_dict["step"] = self._prev_step_attr
+                opt_dict["step"] = types.MethodType(prev, opt) if bound else prev
         if self in context.attachments:
             context.attachments.remove(self)
 
@@ -525,6 +651,19 @@ class Attachment(_Owner):
 
     def _open_journal(self) -> Journal | None:
         return self.journal
+
+
+def _unbound(method: Any, obj: Any) -> Any:
+    """``method.__func__`` if ``method`` is bound to ``obj``, else ``method``."""
+    return method.__func__ if isinstance(method, types.MethodType) and method.__self__ is obj else method
+
+
+def _as_function_of(method: Any, obj: Any) -> Callable[..., Any]:
+    """``f(obj, *args)`` calling ``method(*args)``, without holding ``obj`` when ``method`` is bound to it."""
+    fn = _unbound(method, obj)
+    if fn is not method:
+        return fn
+    return lambda _obj, *args, **kwargs: method(*args, **kwargs)
 
 
 def hookable(optimizer: Any) -> torch.optim.Optimizer:
@@ -567,7 +706,7 @@ def _run_by_explicit_commit(optimizer: Any) -> bool:
     """A ``pu.step`` / ``Stepper`` commit is running ``optimizer.step()``: that commit owns the step
     (its rules and updates), and an attachment on the optimizer stands aside; committing there too
     would apply the declared rules a second time."""
-    return any(c.optimizer is optimizer for c in context.committing)
+    return any(c.optimizer is optimizer for c in context.local.committing)
 
 
 def attach(model: nn.Module, optimizer: torch.optim.Optimizer, **options: Unpack[StepOptionsDict]) -> Attachment:

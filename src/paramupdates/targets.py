@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import hooks, overlay, sharding
+from . import guards, hooks, overlay, sharding
 
 
 @dataclass(eq=False)
@@ -33,6 +33,7 @@ class TargetInfo:
     shows: str | None = None
     slots: dict | None = None
     sharded: bool = False  # a DTensor (FSDP2)
+    kept: tuple | None = None  # a pu.Parameter: (its class, auxiliary, weight_decay), to keep its type
 
     @property
     def owner(self) -> nn.Module | None:
@@ -56,6 +57,8 @@ class ModelIndex:
         """Walk the module tree; the first name of a shared tensor wins."""
         model = self.model
         by_id: dict[int, TargetInfo] = {}
+        modules: dict[int, tuple[weakref.ref, str]] = {}
+        has_meta = False
         if model is not None:
             visitors = list(hooks.module_visitors.values())
             for mod_name, mod in model.named_modules(remove_duplicate=True):
@@ -63,20 +66,41 @@ class ModelIndex:
                     visit(mod, mod_name)  # e.g. transformed parameters (rule 10): recognise a parametrization's outputs
                 prefix = f"{mod_name}." if mod_name else ""
                 mref = weakref.ref(mod)
+                modules[id(mod)] = (mref, mod_name)
+                if mod._buffers or mod._parameters:
+                    guards.guard_module(mod)  # state_dict() saves stored values inside a step
                 for kind, table in (("parameter", mod._parameters), ("buffer", mod._buffers)):
                     for attr, t in table.items():
                         if t is not None and id(t) not in by_id:
+                            if kind == "parameter" and type(t) is nn.Parameter:
+                                _keep_type(t, prefix + attr, self.by_id)
                             shows = overlay.shows_through(t, kind)
                             slots = mod._buffers if shows == overlay.BUFFER else None
-                            by_id[id(t)] = TargetInfo(
+                            by_id[id(t)] = info = TargetInfo(
                                 weakref.ref(t), prefix + attr, mref, attr, kind, shows, slots, sharding.is_sharded(t)
                             )
+                            if shows == overlay.PARAM:
+                                info.kept = (type(t), t.auxiliary, t.weight_decay)
+                            if t.is_meta:
+                                has_meta = True
         old = self.by_id
         if by_id.keys() != old.keys() or any(
             old[k].ref() is not v.ref() or old[k].name != v.name for k, v in by_id.items()
         ):
             self.generation += 1  # what the model owns changed: cached ownership answers are stale
         self.by_id = by_id
+        self.modules = modules
+        self.has_meta = has_meta  # some tensor is on the meta device (no values: nothing to step)
+
+    def meta_names(self) -> list[str]:
+        """The qualified names of the model's tensors on the meta device (the index rebuilt first)."""
+        self.build()
+        return [info.name for info in self.by_id.values() if (t := info.ref()) is not None and t.is_meta]
+
+    def module_name(self, module: nn.Module) -> str | None:
+        """The qualified name of ``module`` in the model as last indexed (``""``: the model), or None."""
+        hit = self.modules.get(id(module))
+        return hit[1] if hit is not None and hit[0]() is module else None
 
     def lookup(self, t: torch.Tensor) -> TargetInfo | None:
         """The info of ``t`` if the model owns it (rebuilding once on a miss)."""
@@ -122,10 +146,36 @@ def index_of(model: nn.Module) -> ModelIndex:
     return idx
 
 
+def _keep_type(t: nn.Parameter, name: str, before: dict[int, TargetInfo]) -> None:
+    """A plain ``nn.Parameter`` where a ``pu.Parameter`` was (under ``name`` when the model was last
+    indexed, or made by ``to_empty()`` from one): torch re-creates parameters as ``nn.Parameter``
+    (``to_empty()`` of a meta model, ``model.to()`` with overwrite-on-conversion). It becomes a
+    ``pu.Parameter`` again, with the same attributes (the class changes in place, as
+    ``torch.utils.swap_tensors`` does)."""
+    kept = guards.materialized(t)
+    if kept is None:
+        for info in before.values():
+            if info.kept is not None and info.name == name and info.ref() is None:
+                kept = info.kept
+                break
+    if kept is not None:
+        cls, auxiliary, weight_decay = kept
+        t.__class__ = cls
+        t.auxiliary, t.weight_decay = auxiliary, weight_decay
+
+
 def describe(t: torch.Tensor) -> str:
     """A name for a tensor that belongs to no known model."""
     kind = type(t).__name__
     return f"<unnamed {kind} shape={tuple(t.shape)} dtype={t.dtype}>"
+
+
+def index_owning(tensors: list[torch.Tensor]) -> ModelIndex | None:
+    """An existing index whose model owns every one of ``tensors`` (as last indexed), or None."""
+    for idx in list(_INDEXES.values()):
+        if tensors and all(idx.peek(t) is not None for t in tensors):
+            return idx
+    return None
 
 
 def owner_anywhere(t: torch.Tensor) -> tuple[str, str] | None:

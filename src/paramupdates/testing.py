@@ -16,7 +16,7 @@ def reset() -> None:
     """
     for att in list(context.attachments):
         att.detach()
-    for j in list(context.explicit):
-        j.discard()
+    for j in {id(j): j for j in [*context.steps, *context.local.explicit]}.values():
+        j.discard()  # (every thread's: a test's threads are gone)
     context.reset()
     base.clear()

@@ -33,6 +33,8 @@ from .origin import Origin, capture
 from .replay import live_journals
 from .targets import describe, owner_anywhere
 
+_local = context.local  # this thread's steps and conditions (one attribute look-up less per update)
+
 
 def issue(
     op: str,
@@ -50,7 +52,7 @@ def issue(
     statistics): it becomes the pending value without a defensive copy. ``depth``: frames
     between the user's call and this function.
     """
-    cond = context.conditions[-1]
+    cond = _local.conditions[-1]
     if cond is False:
         return
     compiling = torch.compiler.is_compiling()
@@ -73,10 +75,10 @@ def issue(
         j.record(e, op, operand, key, phase, sync, origin, fresh, compiling)
         return
     pred = cond if isinstance(cond, torch.Tensor) else None  # None: unconditional
-    if context.replay is not None:
+    if _local.replay is not None:
         # Issued again by a checkpoint recomputation: the forward already applied it (replay, rule 3);
         # only the recomputation's own view moves.
-        context.replay.eager_write(op, target, operand, key, pred)
+        _local.replay.eager_write(op, target, operand, key, pred)
         return
     # Outside a step: eager, in place, under no_grad (eager outside a step, rule 8).
     try:
@@ -90,9 +92,7 @@ def issue(
         check_operand(op, target, operand, key, owner[0], origin)
         raise
     log = (
-        context.eager_log
-        if context.eager_log is not None
-        else (hooks.adopt_segment() if hooks.segment_probes else None)
+        _local.eager_log if _local.eager_log is not None else (hooks.adopt_segment() if hooks.segment_probes else None)
     )
     if log is not None:
         log.note(target)  # inside a checkpointed segment: keep the value at segment entry (replay, rule 3)
@@ -117,7 +117,7 @@ def issue_computed(
     the condition and the journal are looked up once for all of them. The values are trusted:
     made by the caller for these updates alone, of the targets' shape, dtype and device.
     """
-    if context.conditions[-1] is False or not updates:
+    if _local.conditions[-1] is False or not updates:
         return
     compiling = torch.compiler.is_compiling()
     origin = capture(depth, compiling)
@@ -143,7 +143,7 @@ def issue_computed(
 def journal_for(t: torch.Tensor, compiling: bool) -> Journal | None:
     """The journal of the step whose model has ``t`` as a parameter or buffer (its index as built,
     no rebuild), or None: a cheap look-up for :func:`issue_computed`'s fast path."""
-    for j in reversed(context.explicit):
+    for j in reversed(_local.explicit):
         if j.index.peek(t) is not None:
             return j
     for att in context.attachments:
@@ -157,7 +157,7 @@ def route(
     t: torch.Tensor, origin: Origin | str, op: str, compiling: bool = False
 ) -> tuple[Journal | None, Entry | None]:
     """The journal that records updates of target ``t``; ``(None, None)``: apply eagerly."""
-    for j in reversed(context.explicit):
+    for j in reversed(_local.explicit):
         e = j.find(t, True, compiling)
         if e is not None:
             return j, e
@@ -165,8 +165,16 @@ def route(
         j, e = att.route(t, compiling)
         if e is not None:
             return j, e
-    if context.explicit:
-        j = context.explicit[-1]
+    replay = _local.replay
+    if replay is not None:
+        # A recomputation in a thread without the step (autograd's device threads): the journals
+        # live when the segment's forward ran (replay, rule 3; threads)
+        for j in replay.journals:
+            e = j.find(t, True, compiling)
+            if e is not None:
+                return j, e
+    if _local.explicit:
+        j = _local.explicit[-1]
         mine = type(j.index.model).__name__
         other = owner_anywhere(t)
         if other is not None:

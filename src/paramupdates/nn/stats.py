@@ -47,9 +47,9 @@ def recompute_batchnorm_stats(model: nn.Module, loader: Iterable[Any], device: A
             f"pu.recompute_batchnorm_stats: {plain[:3]} are torch.nn batch norms, which write their "
             "statistics in place. Call model = pu.convert(model) first (weights and statistics are kept)."
         )
-    if context.explicit:
+    if context.local.explicit:
         raise UpdateError(
-            f"pu.recompute_batchnorm_stats: {context.explicit[-1].label} is in progress. "
+            f"pu.recompute_batchnorm_stats: {context.local.explicit[-1].label} is in progress. "
             "Call it outside a step (it runs as a step of its own)."
         )
     bns = [m for m in model.modules() if isinstance(m, UpdateSafeBatchNorm) and m.track_running_stats]

@@ -21,12 +21,16 @@ Caching, one boundary each (the rows of ``benchmarks/rules.py`` they were kept f
 from __future__ import annotations
 
 import itertools
+import os
+import sys
+import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .. import hooks
+from ..errors import UpdateError
 from ..origin import call_site
 from ..schedule import ScheduleEntry
 from .common import has_subclass, storage_key
@@ -36,6 +40,7 @@ if TYPE_CHECKING:
     from ..targets import ModelIndex
 
 _SEQ = itertools.count()
+_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 class Rule:
@@ -102,6 +107,40 @@ class Rule:
         """Follow tensors that were replaced in their module slots (``fully_shard`` replaces every
         parameter); run when ownership is recomputed, not per commit. Default: held by identity."""
 
+    def adopt(self, index: ModelIndex) -> None:
+        """The rule applies to ``index``'s model: tensors given without their module are followed in it
+        by name from now on (``load_state_dict(assign=True)``, ``to_empty()``, ``model.to()`` that
+        re-creates parameters). Default: nothing."""
+
+    def lost_names(self) -> list[str]:
+        """The qualified names of covered tensors that are gone from the module the rule follows them
+        in (a layer removed or renamed): the next commit of that module's model raises."""
+        return []
+
+    def root(self) -> Any:
+        """The module whose tensors the rule follows by name (``None``: none)."""
+        return None
+
+    # --- declared again (a re-run notebook cell) ------------------------------
+    def same_kind(self) -> Any:
+        """A key: a rule declared later with an equal key on some of the same tensors replaces this
+        one on those tensors, with a warning (``None``, the default: never replaced; two such rules
+        on one tensor both apply, in declaration order)."""
+        return None
+
+    def drop(self, ids: set[int]) -> bool:
+        """Stop covering the tensors whose ``id()`` is in ``ids`` (a later rule of the same kind took
+        them over); True when nothing is left (the rule is then undeclared). Default: all or nothing."""
+        return True
+
+    def names_of(self, ids: set[int]) -> list[str]:
+        """The names of the covered tensors whose ``id()`` is in ``ids`` (for messages)."""
+        names = getattr(self, "names", None)
+        ts = self.owner_tensors()
+        if names is not None and len(names) == len(ts):
+            return [n for n, t in zip(names, ts) if id(t) in ids]
+        return [f"{len(ids)} tensors"]
+
     # --- commit ----------------------------------------------------------
     def check(self, ctx: CommitContext) -> None:
         """Validate before the commit writes anything (raise :class:`UpdateError` to refuse the step)."""
@@ -121,6 +160,10 @@ class Rule:
         return False
 
     # --- the schedule ------------------------------------------------------
+    def describe(self) -> str:
+        """How messages name this kind of rule (``pu.weight_decay``, ``pu.constrain(max_norm)``, ...)."""
+        return self.kind
+
     def rows(self, index: ModelIndex) -> list[ScheduleEntry]:
         """This rule's rows in ``schedule()`` (made when the schedule is shown)."""
         ts = self.tensors()
@@ -153,11 +196,46 @@ _APPLIES: weakref.WeakKeyDictionary[ModelIndex, tuple[int, int, list[Rule]]] = w
 
 
 def register(rule: Rule) -> Rule:
-    """Add a rule to the registry (declaration order is commit order)."""
+    """Add a rule to the registry (declaration order is commit order).
+
+    A rule of the same kind (:meth:`Rule.same_kind`) declared earlier on some of the same tensors
+    loses them to this one, with a warning naming both call sites: declaring again (a re-run
+    notebook cell) replaces, it never applies a rule twice."""
     global _version
+    key = rule.same_kind()
+    if key is not None:
+        ids = {id(t) for t in rule.owner_tensors()}
+        for old in list(_RULES):
+            if old is rule or old.same_kind() != key:
+                continue
+            common = {id(t) for t in old.owner_tensors()} & ids
+            if not common:
+                continue
+            names = old.names_of(common)
+            shown = ", ".join(map(repr, names[:4])) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+            warnings.warn(
+                f"{rule.describe()} declared at {rule.origin} replaces the {old.describe()} declared at "
+                f"{old.origin} on {shown}: a rule of the same kind declared again on the same tensors "
+                "replaces the earlier declaration (it is never applied twice). Call .remove() on the "
+                "earlier rule first to silence this warning.",
+                UserWarning,
+                stacklevel=_user_stacklevel(),
+            )
+            if old.drop(common):
+                _RULES.remove(old)
     _RULES.append(rule)
     _version += 1
     return rule
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of a warning that points at the first frame outside paramupdates."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PKG_DIR):
+        frame = frame.f_back
+        level += 1
+    return level
 
 
 def unregister(rule: Rule) -> None:
@@ -187,6 +265,25 @@ def rules_for(index: ModelIndex) -> list[Rule]:
     Cached per model until a rule is declared or removed or the model's tensors change.
     """
     dead = [r for r in _RULES if not r.alive()]
+    for r in dead:
+        applied = r.__dict__.get("_applied_to")
+        if applied is not None and index in applied and index.model is not None:
+            raise UpdateError(
+                f"{r.describe()} declared at {r.origin} applied to {type(index.model).__name__}, whose tensors it "
+                "covered are gone from the model (the module it was declared on was replaced or removed). Nothing "
+                "of this step was written. Declare the rule again on the model as it is now, or call .remove() "
+                "on it."
+            )
+    for r in _RULES:
+        lost = r.lost_names()
+        if lost and index.module_name(r.root()) is not None:
+            shown = ", ".join(map(repr, lost[:4])) + (f" and {len(lost) - 4} more" if len(lost) > 4 else "")
+            raise UpdateError(
+                f"{r.describe()} declared at {r.origin} covers {shown}, which {type(index.model).__name__} "
+                "no longer has under that name (a layer removed or renamed after the declaration). Nothing of "
+                "this step was written. Declare the rule again on the model as it is now, or call .remove() "
+                "on it."
+            )
     if dead:
         support = hooks.sharding_support()  # sharding hook: rules whose parameters fully_shard replaced
         if support is not None:
@@ -199,6 +296,12 @@ def rules_for(index: ModelIndex) -> list[Rule]:
     for r in _RULES:
         r.resync()
     out = [r for r in _RULES if index.owns_any(r.owner_tensors())]
+    for r in out:
+        r.adopt(index)
+        applied = r.__dict__.get("_applied_to")
+        if applied is None:
+            applied = r.__dict__["_applied_to"] = weakref.WeakSet()
+        applied.add(index)  # (a rule that dies later while this model lives: an error at its commit)
     _APPLIES[index] = (_version, index.generation, out)
     return out
 

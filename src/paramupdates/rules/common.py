@@ -14,6 +14,7 @@ from torch import nn
 
 from .. import context, hooks, sharding
 from ..errors import UpdateError
+from ..targets import index_of, index_owning
 
 Named = list[tuple[str, torch.Tensor]]
 
@@ -72,19 +73,67 @@ def named_tensors(obj: Any, fn: str) -> Named:
     return out
 
 
-def refuse_inside_step(fn: str, origin: str) -> None:
-    """Rules are declared outside steps (their tensors must hold committed values)."""
-    if context.explicit or any(
-        a.journal is not None and (a.journal.entries or a.journal.rows) for a in context.attachments
-    ):
-        raise UpdateError(
-            f"{fn} at {origin} was called while a step with pending updates is in progress. "
-            "Declare rules before training (or between steps)."
-        )
+def refuse_inside_step(fn: str, origin: str, tensors: Iterable[torch.Tensor] = ()) -> None:
+    """Refuse to declare a rule on ``tensors`` inside a step of their model (this thread's
+    ``pu.step``: declare rules before training or between steps) or while an attachment has
+    updates of them pending: a rule is declared on committed values. Steps of other threads and of
+    other models, and attachments whose pending updates touch other tensors (a forgotten attachment
+    of another model), are no obstacle."""
+    tensors = list(tensors)
+    ids = {id(t) for t in tensors}
+    if not ids:
+        return
+    for j in context.local.explicit:
+        if j.index.owns_any(tensors):
+            raise UpdateError(
+                f"{fn} at {origin} was called inside {j.label}, a step of the model it is declared on. "
+                "Declare rules before training (or between steps)."
+            )
+    owners = [(j.label, j, None) for j in context.local.explicit]
+    owners += [(a.label, a.journal, a) for a in context.attachments if a.journal is not None]
+    for label, j, att in owners:
+        # (a module's buffer slot shows the pending value: its id counts as the target's)
+        names = [
+            e.name for e in j.entries.values() if e.value is not None and (id(e.target) in ids or id(e.value) in ids)
+        ]
+        names += [row[1].name for row in j.rows if id(row[0]) in ids or id(row[4]) in ids]
+        if names:
+            shown = ", ".join(map(repr, names[:3])) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            fix = (
+                "Call flush() (commit them now) or discard() (drop them) on that attachment first"
+                if att is not None
+                else "Declare it before the step (or between steps)"
+            )
+            raise UpdateError(
+                f"{fn} at {origin}: {label} holds pending updates of {shown}, which this rule is declared on; "
+                f"rules are declared on committed values. {fix}."
+            )
+
+
+def adopt_known(rule: Any, root: Any) -> None:
+    """A rule declared on tensors given without their module follows them by name from now on when a
+    model paramupdates knows (indexed: a step, an attachment, a rule declared on it) owns them all."""
+    if root is None:
+        idx = index_owning(rule.owner_tensors())
+        if idx is not None:
+            rule.adopt(idx)
 
 
 def check_declared(named: Named, root: Any, fn: str, origin: str) -> None:
-    """Refuse tensors no rule can be correct on (flat parameters of FSDP1 / DeepSpeed), at declaration."""
+    """Refuse tensors no rule can be correct on (flat parameters of FSDP1 / DeepSpeed; a meta tensor
+    given without its module: ``to_empty()`` replaces it and nothing could follow), at declaration."""
+    if root is not None:
+        index_of(root)  # indexed now: a parameter the module re-creates (to_empty, model.to()) keeps its type
+    else:
+        for name, t in named:
+            if t.is_meta:
+                raise UpdateError(
+                    f"{fn} at {origin}: {name!r} is a meta tensor given without its module, and to_empty() will "
+                    "replace it with another tensor, which a rule held by the tensor alone cannot follow. "
+                    "Declare the rule on the module (e.g. pu.constrain(model.lin, ...) or "
+                    "pu.weight_decay(model, ...)): it follows the module's parameters by name. Or declare it "
+                    "after materializing the model."
+                )
     support = hooks.sharding_support()  # sharding hook
     if support is not None:
         support.check_declared(named, root, fn, origin)
@@ -103,10 +152,35 @@ class WeakList:
     def __init__(
         self, tensors: list[torch.Tensor], root: nn.Module | None = None, names: list[str] | None = None
     ) -> None:
-        self._refs = [weakref.ref(t) for t in tensors]
+        died = self._died = [False]  # set when a held tensor is collected (no pass over them per commit)
+        self._on_death = lambda _ref: died.__setitem__(0, True)
+        self._refs = [weakref.ref(t, self._on_death) for t in tensors]
         self._root = weakref.ref(root) if root is not None else None
         self._names = names
         self.meta = [(tuple(t.shape), t.dtype) for t in tensors]  # what a lost tensor was (for errors)
+        self.lost: list[int] = []  # positions that died and could not be followed (by the last current())
+
+    @property
+    def root(self) -> nn.Module | None:
+        """The module the tensors are followed in (``None``: held by identity only)."""
+        return self._root() if self._root is not None else None
+
+    def lost_names(self) -> list[str]:
+        """The qualified names that died and could not be followed in a live root module (looked
+        at only after a held tensor was collected)."""
+        if not self._died[0] or self._names is None or self.root is None:
+            return []
+        self.current()  # follows what it can, notes the rest in self.lost
+        if not self.lost:
+            self._died[0] = False
+        return [self._names[i] for i in self.lost]
+
+    def adopt(self, root: nn.Module, names: list[str | None]) -> None:
+        """Tensors given without their module, found in ``root`` under ``names``: from now on they are
+        followed there by name, as if the rule had been declared on ``root``."""
+        if self._root is None and all(n is not None for n in names):
+            self._root = weakref.ref(root)
+            self._names = list(names)  # type: ignore[arg-type]
 
     def current(self) -> list[torch.Tensor | None]:
         """Each declared tensor (None where it died and could not be followed)."""
@@ -117,6 +191,7 @@ class WeakList:
 
     def _follow(self, out: list[torch.Tensor | None]) -> None:
         root = self._root() if self._root is not None else None
+        self.lost = []
         if root is None or self._names is None:
             return
         for i, t in enumerate(out):
@@ -127,10 +202,12 @@ class WeakList:
                     try:
                         t = root.get_buffer(self._names[i])
                     except AttributeError:
-                        continue
+                        t = None
                 if t is not None:
-                    self._refs[i] = weakref.ref(t)
+                    self._refs[i] = weakref.ref(t, self._on_death)
                     out[i] = t
+                else:
+                    self.lost.append(i)
 
     def resync(self) -> bool:
         """Take the tensor now in each named slot of ``root`` where it is another object (or ours died);
@@ -151,9 +228,16 @@ class WeakList:
             if t is not None and t is not old:
                 if old is not None and sharding.is_sharded(old) and not sharding.is_sharded(t):
                     continue  # inside FSDP's forward/backward: its temporary unsharded parameter, not a successor
-                self._refs[i] = weakref.ref(t)
+                self._refs[i] = weakref.ref(t, self._on_death)
                 changed = True
         return changed
+
+    def keep(self, idx: list[int]) -> None:
+        """Keep only the tensors at positions ``idx`` (in order)."""
+        self._refs = [self._refs[i] for i in idx]
+        self.meta = [self.meta[i] for i in idx]
+        if self._names is not None:
+            self._names = [self._names[i] for i in idx]
 
     def live(self) -> list[torch.Tensor]:
         return [t for t in self.current() if t is not None]

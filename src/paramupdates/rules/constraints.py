@@ -57,6 +57,7 @@ from ..phases import AFTER_GRAD
 from .base import Rule, register
 from .common import (
     WeakList,
+    adopt_known,
     check_declared,
     has_subclass,
     named_tensors,
@@ -106,6 +107,11 @@ class Constraint:
     def __repr__(self) -> str:
         return f"pu.{self.name}()"
 
+    def same_kind(self) -> Any:
+        """Constraints of one kind replace each other when declared again on a tensor
+        (``max_norm(3)`` then ``max_norm(2)``: the second); different kinds compose."""
+        return self.name
+
 
 class _Norm(Constraint):
     """``w * factor(n)`` with ``n`` the L2 norm over every dim but ``dim``."""
@@ -119,10 +125,12 @@ class _Norm(Constraint):
         raise NotImplementedError
 
     def validate(self, name: str, t: torch.Tensor, origin: str) -> None:
-        if not (t.is_floating_point() or t.is_complex()):
-            raise ValueError(f"pu.{self.name} at {origin}: {name!r} is {t.dtype}; norm constraints need floating point")
-        if t.is_complex():
-            raise ValueError(f"pu.{self.name} at {origin}: {name!r} is complex; not supported")
+        if not t.is_floating_point():
+            raise UpdateError(
+                f"pu.{self.name} at {origin}: {name!r} is {t.dtype}; norm constraints need floating point "
+                f"(a {'complex' if t.is_complex() else 'non-floating'} tensor has no such norm here). Declare it "
+                "on floating tensors only (leave this one out), or use pu.clamp / a callable for it."
+            )
         if self.dim is not None and t.ndim > 0 and not -t.ndim <= self.dim < t.ndim:
             raise ValueError(
                 f"pu.{self.name} at {origin}: dim={self.dim} is out of range for {name!r} of shape {tuple(t.shape)}"
@@ -292,7 +300,10 @@ class _Clamp(Constraint):
 
     def validate(self, name: str, t: torch.Tensor, origin: str) -> None:
         if t.is_complex() or t.dtype == torch.bool:
-            raise ValueError(f"pu.{self.name} at {origin}: {name!r} is {t.dtype}; needs a real dtype")
+            raise UpdateError(
+                f"pu.{self.name} at {origin}: {name!r} is {t.dtype}; pu.{self.name} needs a real dtype (complex "
+                "and bool values have no order). Leave it out of the declaration, or constrain it with a callable."
+            )
         for v in (self.min, self.max):
             if v is not None and not t.is_floating_point() and float(v) != int(v):
                 raise ValueError(f"pu.{self.name} at {origin}: bound {v} is not an integer but {name!r} is {t.dtype}")
@@ -341,6 +352,14 @@ class CallableConstraint(Constraint):
 
     def __call__(self, w: torch.Tensor) -> torch.Tensor:
         return self.fn(w)
+
+    def same_kind(self) -> Any:
+        # the same function, defined again (a re-run cell): where it is defined, not the object
+        fn = getattr(self.fn, "func", self.fn)  # (functools.partial)
+        code = getattr(fn, "__code__", None)
+        if code is not None:
+            return (code.co_filename, code.co_firstlineno, getattr(fn, "__qualname__", ""))
+        return (type(fn).__module__, type(fn).__qualname__)
 
     def __repr__(self) -> str:
         return f"constrain({self.name})"
@@ -416,6 +435,30 @@ class Constrain(Rule):
 
     def alive(self) -> bool:
         return self._tensors.alive()
+
+    def same_kind(self) -> Any:
+        return ("constrain", self.constraint.same_kind())
+
+    def describe(self) -> str:
+        return f"pu.constrain({self.constraint.name})"
+
+    def adopt(self, index: Any) -> None:
+        if self._tensors.root is None:
+            self._tensors.adopt(index.model, [None if t is None else index.name_of(t) for t in self._tensors.current()])
+
+    def lost_names(self) -> list[str]:
+        return self._tensors.lost_names()
+
+    def root(self) -> Any:
+        return self._tensors.root
+
+    def drop(self, ids: set[int]) -> bool:
+        keep = [i for i, t in enumerate(self._tensors.current()) if t is None or id(t) not in ids]
+        self.names = [self.names[i] for i in keep]
+        self._tensors.keep(keep)
+        self._key = None  # plan again
+        self._live = []
+        return not keep
 
     def check(self, ctx: CommitContext) -> None:
         ts = self._tensors.live()
@@ -526,7 +569,6 @@ def constrain(
     up to the rounding of the norms). Returns the rule (``.remove()`` undeclares it).
     """
     origin = call_site(2)
-    refuse_inside_step("pu.constrain", origin)
     if not isinstance(constraint, Constraint):
         if not callable(constraint):
             raise TypeError(
@@ -538,9 +580,11 @@ def constrain(
     if not named:
         raise ValueError(f"pu.constrain at {origin}: no tensors given")
     root = params if isinstance(params, nn.Module) else None
+    refuse_inside_step("pu.constrain", origin, [t for _, t in named])
     check_declared(named, root, "pu.constrain", origin)
     for name, t in named:
         constraint.validate(name, t, origin)
     rule = Constrain(named, constraint, origin, foreach is not False, root)
+    adopt_known(rule, root)
     register(rule)
     return rule

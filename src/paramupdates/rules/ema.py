@@ -162,6 +162,8 @@ class EMA(Rule):
         module.register_buffer(COUNTER, torch.zeros((), dtype=torch.int64, device=counter_device))
         self._t = 0
         self._seen: tuple[torch.Tensor, int] = (module._buffers[COUNTER], module._buffers[COUNTER]._version)
+        # the model's tensors as the copy was last made for (dtype, device): the copy follows the model
+        self._where = [(t.dtype, t.device) for t in self._src]
 
     def _pair(self, model: nn.Module, module: nn.Module) -> None:
         """Pair each tensor of ``model`` with the tensor of the same name in the copy ``module``."""
@@ -173,6 +175,12 @@ class EMA(Rule):
             a = dict(getattr(model, f"named_{kind}")())
             b = dict(getattr(module, f"named_{kind}")())
             for name, t in a.items():
+                if name not in b:
+                    raise UpdateError(
+                        f"pu.ema (declared at {self.origin}): the model has {name!r}, which its averaged copy has "
+                        f"not (the model's {kind} changed after the declaration). Declare pu.ema again on the model "
+                        "as it is now (and .remove() the old one)."
+                    )
                 names.append(name)
                 src.append(t)
                 dst.append(b[name])
@@ -260,6 +268,20 @@ class EMA(Rule):
         self.refresh()
         return self._src
 
+    def same_kind(self) -> Any:
+        # an EMA of the same model with the same settings (several EMAs of one model with other
+        # decays are a pattern; an EMA of a submodule is another kind)
+        w = self.warmup
+        code = getattr(w, "__code__", None)
+        warmup = (code.co_filename, code.co_firstlineno) if code is not None else w if not callable(w) else id(w)
+        return ("ema", id(self._model()), self.decay, warmup, self.include_buffers, self._dtype, self._device)
+
+    def describe(self) -> str:
+        return "pu.ema"
+
+    def names_of(self, ids: set[int]) -> list[str]:
+        return [f"the {len(self.names)} tensors of {type(self._model()).__name__}"]
+
     def tensors(self) -> list[torch.Tensor]:
         return self._dst
 
@@ -290,7 +312,8 @@ class EMA(Rule):
         key = storage_key(self._pairs, self._sub)
         if key != self._key:
             self._build()
-            self._key = key
+            self._key = storage_key(self._pairs, self._sub)  # (_build may have moved or re-paired the copy)
+            self._where = [(t.dtype, t.device) for t in self._src]
         self._weight = 1.0 - self.decay_at(self.updates)  # a user warmup callable fails here, before writes
 
     def fingerprint(self) -> list[torch.Tensor] | None:
@@ -302,11 +325,64 @@ class EMA(Rule):
         self._weight = 1.0 - self.decay_at(self.updates)
         return True
 
+    def _expected(self, dtype: torch.dtype, device: torch.device) -> tuple[torch.dtype, torch.device]:
+        """The dtype and device of the copy of a model tensor of ``dtype`` on ``device``."""
+        floating = dtype.is_floating_point
+        return (self._dtype if self._dtype is not None and floating else dtype), (
+            self._device if self._device is not None else device
+        )
+
+    def _follow_model(self) -> None:
+        """The copy follows the model's device and dtype (what ``dtype=`` / ``device=`` did not pin):
+        when the *model* was moved or cast since the last commit (``model.to()``, ``.half()``,
+        ``to_empty()``, ``load_state_dict(assign=True)``), the copy's tensors are moved or cast the
+        same way (in place: they stay the same objects). A copy moved on its own (the model as
+        before) is left as it is, and refused by :meth:`_build`. A copy made of a model on the
+        ``meta`` device has no values: once the model has them, the copy starts as a copy of them
+        (the average of no update), with its counter at 0."""
+        model = self._model()
+        if model is None or not self._src or any(t.is_meta for t in self._src):
+            return  # (a model on meta: refused by _build)
+        seen = self._where
+        moved = [
+            i
+            for i, s in enumerate(self._src)
+            if i < len(seen) and (s.dtype, s.device) != seen[i] and not sharding.is_sharded(s)
+        ]
+        if not moved:
+            return
+        with no_subclass(), torch.no_grad():
+            if any(self._dst[i].is_meta for i in moved):
+                self.module.to_empty(device=self._device if self._device is not None else self._src[0].device)
+                self._pair(model, self.module)
+                for s, d in zip(self._src, self._dst):
+                    if s.shape == d.shape and not sharding.is_sharded(s):
+                        d.copy_(s.detach().to(d.device))
+                counter = self.module._buffers[COUNTER]
+                counter.fill_(0)
+                self._t, self._seen = 0, (counter, counter._version)
+            for i in moved:
+                s, d = self._src[i], self._dst[i]
+                if s.shape != d.shape or sharding.is_sharded(d) or (d.dtype, d.device) != self._expected(*seen[i]):
+                    continue  # (the copy was changed too: refused by _build, with the reason)
+                dtype, device = self._expected(s.dtype, s.device)
+                d.data = d.detach().to(device=device, dtype=dtype)
+            buf = self.module._buffers.get(COUNTER)
+            if buf is not None and self._device is None and buf.device != self._src[0].device:
+                buf.data = buf.detach().to(self._src[0].device)
+
     def _build(self) -> None:
+        self._follow_model()
         with no_subclass():
             for name, s, d in zip(self.names, self._src, self._dst):
                 dtype = self._dtype if self._dtype is not None and s.is_floating_point() else s.dtype
                 device = self._device if self._device is not None else s.device
+                if s.is_meta:
+                    raise UpdateError(
+                        f"pu.ema (declared at {self.origin}): {name!r} of the model is on the meta device (it has no "
+                        "values). Materialize the model first (model.to_empty(device=...) and initialize it, or "
+                        "load_state_dict(..., assign=True)); the averaged copy then starts as a copy of it."
+                    )
                 if (
                     s.shape != d.shape
                     or d.dtype != dtype
@@ -446,9 +522,9 @@ def ema(
     per-tensor reference path (``a.lerp_(p, 1 - d_t)`` pair by pair; bitwise the same result).
     """
     origin = call_site(2)
-    refuse_inside_step("pu.ema", origin)
     if not isinstance(model, nn.Module):
         raise TypeError(f"pu.ema at {origin}: expected a torch.nn.Module, got {type(model).__name__}")
+    refuse_inside_step("pu.ema", origin, [*model.parameters(), *model.buffers()])
     decay = float(decay)
     if not 0.0 <= decay <= 1.0 or math.isnan(decay):
         raise ValueError(f"pu.ema at {origin}: decay must be in [0, 1], got {decay}")

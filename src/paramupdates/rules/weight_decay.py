@@ -34,12 +34,14 @@ from torch import nn
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from .. import sharding
+from ..errors import UpdateError
 from ..origin import call_site
 from ..parameter import Parameter
 from ..phases import BEFORE_GRAD
 from .base import Rule, register
 from .common import (
     WeakList,
+    adopt_known,
     any_none,
     check_declared,
     has_subclass,
@@ -114,6 +116,30 @@ class WeightDecay(Rule):
 
     def alive(self) -> bool:
         return self._tensors.alive()
+
+    def same_kind(self) -> Any:
+        return "weight_decay"  # two decays of one tensor are never meant
+
+    def describe(self) -> str:
+        return "pu.weight_decay"
+
+    def adopt(self, index: Any) -> None:
+        if self._tensors.root is None:
+            self._tensors.adopt(index.model, [None if t is None else index.name_of(t) for t in self._tensors.current()])
+
+    def lost_names(self) -> list[str]:
+        return self._tensors.lost_names()
+
+    def root(self) -> Any:
+        return self._tensors.root
+
+    def drop(self, ids: set[int]) -> bool:
+        keep = [i for i, t in enumerate(self._tensors.current()) if t is None or id(t) not in ids]
+        self.names = [self.names[i] for i in keep]
+        self.rates = [self.rates[i] for i in keep]
+        self._tensors.keep(keep)
+        self._key = None  # plan again
+        return not keep
 
     # --- plan ------------------------------------------------------------------
     def check(self, ctx: CommitContext) -> None:
@@ -264,7 +290,6 @@ def weight_decay(
     for a decayed parameter (double decay). Returns the rule (``.remove()`` undeclares it).
     """
     origin = call_site(2)
-    refuse_inside_step("pu.weight_decay", origin)
     if exclude is ...:  # the contract writes the default as "..."
         exclude = skip_1d
     rate = float(rate)
@@ -275,6 +300,7 @@ def weight_decay(
     chosen: list[tuple[str, torch.Tensor, float]] = []
     named = named_tensors(params, "pu.weight_decay")
     root = params if isinstance(params, nn.Module) else None
+    refuse_inside_step("pu.weight_decay", origin, [t for _, t in named])
     check_declared(named, root, "pu.weight_decay", origin)
     for name, t in named:
         own = t.weight_decay if isinstance(t, Parameter) else None
@@ -285,9 +311,13 @@ def weight_decay(
             raise ValueError(f"pu.weight_decay at {origin}: {name!r} has weight_decay={own}; it must be >= 0")
         if not (t.is_floating_point() or t.is_complex()):
             if own is not None:
-                raise ValueError(f"pu.weight_decay at {origin}: {name!r} is {t.dtype}, not floating point")
+                raise UpdateError(
+                    f"pu.weight_decay at {origin}: {name!r} is {t.dtype}, not floating point, but asks for "
+                    f"weight_decay={own}. Decay applies to floating tensors: give it weight_decay=None (or 0.0)."
+                )
             continue
         chosen.append((name, t, r))
     rule = WeightDecay(chosen, bool(scale_by_lr), origin, foreach is not False, root)
+    adopt_known(rule, root)
     register(rule)
     return rule

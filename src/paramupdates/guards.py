@@ -1,0 +1,231 @@
+"""What ``torch.nn.Module`` operations see and may do while updates are pending (issue 15).
+
+Inside a step a module's buffer slot holds its pending value and a
+``pu.Parameter`` shows its own (read-your-writes, rule 1). Reads see them;
+what saves, copies, loads or replaces a module's tensors must not:
+
+* ``module.state_dict()`` saves stored values: a ``state_dict`` post-hook on
+  every module paramupdates indexes (:func:`guard_module`) puts each stored
+  tensor in place of the pending value a slot shows;
+* ``copy.deepcopy(module)`` copies stored values: a plain tensor copied as part
+  of its module's buffer dict, while it is a shown pending value, copies as
+  the stored tensor (a handler in ``copy``'s dispatch table for ``torch.Tensor``;
+  a pending value read and copied on its own stays the pending value);
+* ``module.load_state_dict(...)`` of tensors with pending updates raises
+  :class:`UpdateError` before anything is loaded (a ``load_state_dict``
+  pre-hook on every indexed module);
+* assigning a parameter or buffer that has pending updates
+  (``module.running_mean = t``, ``module.weight = nn.Parameter(...)``,
+  ``load_state_dict(assign=True)``) raises at the call (global registration
+  hooks of ``torch.nn.Module``); a ``pu.Parameter`` replaced by
+  ``load_state_dict(assign=True)`` stays a ``pu.Parameter``.
+
+What no hook sees (``model.to()``, ``.half()``, ``to_empty()``: ``Module._apply``
+writes the slots directly) the commit finds (``Journal.hide`` and
+``Journal.check_storage``): it raises, writes nothing of the step, and leaves
+the conversion applied to the stored values.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import context, overlay
+from .errors import UpdateError
+from .origin import call_site
+
+
+def open_journals() -> list[Any]:
+    """Every step in progress, of every thread, and every attachment's open step."""
+    out = list(context.steps)
+    out.extend(a.journal for a in context.attachments if a.journal is not None)
+    return out
+
+
+def stored_of(v: torch.Tensor, journals: list[Any] | None = None) -> tuple[torch.Tensor, dict | None] | None:
+    """``(target, buffer slots)`` when ``v`` is a pending value shown by a step in progress."""
+    for j in journals if journals is not None else open_journals():
+        found = j.stored_of(v)
+        if found is not None:
+            return found
+    return None
+
+
+# --- state_dict --------------------------------------------------------------------------------------
+def committed_state(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """``state_dict`` post-hook: a buffer slot or ``pu.Parameter`` that shows a pending value is saved
+    with its stored value (pending values are seen by reads, never by serialization)."""
+    journals = open_journals() if (context.steps or context.attachments) else []
+    if journals:
+        buffers = module._buffers
+        for attr, v in buffers.items():
+            key = prefix + attr
+            if v is None or key not in state_dict:
+                continue
+            found = stored_of(v, journals)
+            if found is not None and found[1] is buffers:
+                state_dict[key] = found[0] if state_dict[key] is v else found[0].detach()
+    if context.pu_pending:
+        for attr, p in module._parameters.items():
+            key = prefix + attr
+            if p is not None and id(p) in context.pu_pending and key in state_dict and state_dict[key] is not p:
+                state_dict[key] = overlay.plain(p).detach()  # the stored value (the pending one is shown by reads)
+
+
+# --- load_state_dict ---------------------------------------------------------------------------------
+def refuse_load(
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: Any,
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    """``load_state_dict`` pre-hook: loading a tensor that has pending updates raises before anything is
+    loaded (the first module of a load is the one it was called on: its hook sees the whole subtree)."""
+    if not (context.steps or context.attachments):
+        return
+    for j in open_journals():
+        base = j.index.module_name(module)
+        if base is None:
+            continue  # not a module of that step's model
+        keys = []
+        for name in j.pending_names():
+            if base and not name.startswith(base + "."):
+                continue
+            key = prefix + (name[len(base) + 1 :] if base else name)
+            if key in state_dict:
+                keys.append(key)
+        if keys:
+            shown = ", ".join(map(repr, keys[:3])) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+            raise UpdateError(
+                f"{type(module).__name__}.load_state_dict() at {call_site(1)} would load {shown}, which "
+                f"{j.label} holds pending updates of. Nothing was loaded. Load between steps (after the "
+                "commit, or before the first update of the step); under pu.attach, call flush() (commit "
+                "them) or discard() (drop them) on the attachment first."
+            )
+
+
+# --- assigning a parameter or buffer ------------------------------------------------------------------
+def _pending_in(module: nn.Module, name: str, table: dict) -> tuple[Any, str] | None:
+    """``(journal, qualified name)`` if ``table[name]`` of ``module`` has pending updates."""
+    cur = table.get(name)
+    if cur is None or not (context.steps or context.attachments):
+        return None
+    for j in open_journals():
+        qn = j.pending_name_of(cur)
+        if qn is not None:
+            return j, qn
+    return None
+
+
+def _refuse_assignment(module: nn.Module, name: str, table: dict, kind: str) -> None:
+    found = _pending_in(module, name, table)
+    if found is not None:
+        j, qn = found
+        raise UpdateError(
+            f"assigning the {kind} {qn!r} ({type(module).__name__}.{name} = ...) at {call_site(1)} while "
+            f"{j.label} holds pending updates of it. Nothing was assigned. Assign it between steps; under "
+            "pu.attach, call flush() or discard() on the attachment first."
+        )
+
+
+def on_buffer_registration(module: nn.Module, name: str, buffer: Any) -> None:
+    """Global buffer registration hook: a buffer with pending updates is not replaced."""
+    _refuse_assignment(module, name, module._buffers, "buffer")
+
+
+def on_parameter_registration(module: nn.Module, name: str, param: Any) -> Any:
+    """Global parameter registration hook: a parameter with pending updates is not replaced; a
+    ``pu.Parameter`` that ``load_state_dict(assign=True)`` replaces stays a ``pu.Parameter``."""
+    _refuse_assignment(module, name, module._parameters, "parameter")
+    old = module._parameters.get(name)
+    rebuild = getattr(type(old), "pu_rebuild", None)
+    if rebuild is not None and param is not None and type(param) is nn.Parameter and _loading():
+        return rebuild(old, param)
+    return None
+
+
+def _loading() -> bool:
+    """Whether ``Module._load_from_state_dict`` is on the stack (a few frames up: it assigns)."""
+    f = sys._getframe(2)
+    for _ in range(4):
+        if f is None:
+            return False
+        if f.f_code is _LOAD_CODE:
+            return True
+        f = f.f_back
+    return False
+
+
+_LOAD_CODE = nn.Module._load_from_state_dict.__code__
+
+
+# --- pu.Parameters re-created by to_empty() -----------------------------------------------------------
+_MATERIALIZED: dict[int, tuple[Any, Any, Any, Any]] = {}
+
+
+def note_materialized(result: torch.Tensor, source: Any) -> None:
+    """``torch.empty_like(p, ...)`` of a ``pu.Parameter`` (what ``to_empty()`` calls): torch wraps the
+    result in a plain ``nn.Parameter``; the index makes it a ``pu.Parameter`` again (by its storage)."""
+    if len(_MATERIALIZED) > 4096:
+        _MATERIALIZED.clear()
+    if isinstance(result, torch.Tensor) and not result.is_meta:
+        key = result.untyped_storage().data_ptr()
+        _MATERIALIZED[key] = (
+            weakref.ref(result.untyped_storage()),
+            type(source),
+            source.auxiliary,
+            source.weight_decay,
+        )
+
+
+def materialized(t: torch.Tensor) -> tuple[Any, Any, Any] | None:
+    """``(class, auxiliary, weight_decay)`` if ``t``'s storage was made by :func:`note_materialized`."""
+    if not _MATERIALIZED or t.is_meta:
+        return None
+    storage = t.untyped_storage()
+    hit = _MATERIALIZED.pop(storage.data_ptr(), None)
+    if hit is None or hit[0]() is None:
+        return None
+    return hit[1], hit[2], hit[3]
+
+
+# --- the modules of indexed models --------------------------------------------------------------------
+_GUARDED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def guard_module(module: nn.Module) -> None:
+    """Hook ``module``'s ``state_dict`` and ``load_state_dict`` (once per module)."""
+    if module not in _GUARDED:
+        module.register_state_dict_post_hook(committed_state)
+        module.register_load_state_dict_pre_hook(refuse_load)
+        _GUARDED.add(module)
+
+
+# --- deepcopy -------------------------------------------------------------------------------------------
+def _deepcopy_tensor(x: torch.Tensor, memo: dict[int, Any]) -> Any:
+    """``copy.deepcopy`` of a plain tensor: a pending value shown in a module's buffer slot, copied as
+    part of that module (its buffer dict is being copied: ``memo`` holds it), copies as the stored
+    value. Copied on its own (``copy.deepcopy(module.running_mean)``, a read) it is the pending value."""
+    if context.steps or context.attachments:
+        found = stored_of(x)
+        if found is not None and found[1] is not None and id(found[1]) in memo:
+            return copy.deepcopy(found[0], memo)
+    return _PREVIOUS_DEEPCOPY(x, memo) if _PREVIOUS_DEEPCOPY is not None else x.__deepcopy__(memo)
+
+
+_PREVIOUS_DEEPCOPY = copy._deepcopy_dispatch.get(torch.Tensor)  # type: ignore[attr-defined]
+copy._deepcopy_dispatch[torch.Tensor] = _deepcopy_tensor  # type: ignore[attr-defined]
+_HANDLES = (
+    nn.modules.module.register_module_buffer_registration_hook(on_buffer_registration),
+    nn.modules.module.register_module_parameter_registration_hook(on_parameter_registration),
+)

@@ -26,8 +26,13 @@ and range over the rounds, and the ratio of the minima):
   concatenated small weights of each row length, one per large weight; on an
   accelerator one per row length, all weights concatenated);
 * ``foreach + checks``: ``foreach`` plus one pass over the storage of the tensors the
-  rules touch and one over the decayed weights' gradients: the least that a commit
-  which validates before writing (DESIGN validated commit (rule 7)) adds, i.e. the floor of pu / foreach.
+  rules touch, one over the decayed weights' gradients, and the finiteness check of
+  every gradient the optimizer will use with ``torch.amp.GradScaler``'s own kernel
+  (``torch._amp_foreach_non_finite_check_and_unscale_``, one call, one host sync):
+  the least that a commit which validates before writing (validated commit (rule 7),
+  docs/design.md) adds, i.e. the floor of pu / foreach. The gradient check alone is
+  15-25 % of ``foreach`` here, so the goal below is out of reach of any validating
+  commit at these sizes; ``pu / floor`` is what paramupdates adds beyond that work.
 
 Part A isolates the rules: the optimizer's ``step`` does nothing (so the time is
 the rules plus what pu adds). Part B adds a real ``SGD(foreach=True)`` step to
@@ -149,14 +154,21 @@ def foreach_variant(size: str, real_opt: bool, device: torch.device, checked: bo
     factors = list(torch.full((len(weights),), 1 - LR * WD).unbind()) if cpu else 1 - LR * WD
 
     # checked: plus the least a commit that validates before writing must add: one pass over the
-    # storage of every tensor the rules touch (a moved model must fail before any write) and one over
-    # which decayed weights have a gradient (weight decay skips the others, as torch.optim does)
+    # storage of every tensor the rules touch (a moved model must fail before any write), one over
+    # which decayed weights have a gradient (weight decay skips the others, as torch.optim does), and
+    # GradScaler's finiteness check of the optimizer's gradients (scale 1), read back once
     touched = params + avg
     key = tuple(map(_data_ptr, touched))
+    one = torch.ones(1, device=device)
 
     def run():
-        if checked and (tuple(map(_data_ptr, touched)) != key or any(g is None for g in map(_grad_of, weights))):
-            raise RuntimeError("changed")
+        if checked:
+            if tuple(map(_data_ptr, touched)) != key or any(g is None for g in map(_grad_of, weights)):
+                raise RuntimeError("changed")
+            found = torch.zeros(1, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(list(map(_grad_of, params)), found, one)
+            if found.item():
+                raise RuntimeError("non-finite gradient")
         with torch.no_grad():
             torch._foreach_mul_(weights, factors)
             opt.step()
@@ -218,7 +230,8 @@ def rows(
                     "ratio": r,
                     "goal": GOALS[size],
                     "note": f"ratio of minima {r.of_min:.3f}; {ms(r.s)} vs {ms(f)} ms; "
-                    f"floor (foreach + checks) {med['foreach + checks'] / f:.3f}; "
+                    f"floor (foreach + checks) {med['foreach + checks'] / f:.3f}, "
+                    f"pu / floor {ratios(t, 'pu (default)', 'foreach + checks').median:.3f}; "
                     f"copy_for_rollback {med['pu (copy_for_rollback)'] / f:.3f}; loop {med['loop'] / f:.3f}",
                 }
             )
@@ -237,7 +250,11 @@ def report(title: str, times: dict[str, list[float]]) -> None:
     )
     print(
         f"  floor: (foreach + checks) / foreach = {med['foreach + checks'] / med['foreach']:5.3f}x (the least a commit "
-        "that validates before writing adds)"
+        "that validates before writing adds, rule 7)"
+    )
+    r = ratios(times, "pu (default)", "foreach + checks")
+    print(
+        f"  default          : pu / floor   = {r.median:5.3f}x (range {r.spread()}): what paramupdates adds beyond the checks"
     )
     for name in ("default", "copy_for_rollback"):
         r = ratios(times, f"pu ({name})", "foreach")

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 import paramupdates as pu
-from test_checkpoint import ReadAfterWrite
+from test_checkpoint import assert_recomputation_changes_nothing
 
-from conftest import assert_same, bits, snapshot
+from conftest import assert_same, snapshot
 
 
 def _in_thread(fn, *args):
@@ -124,30 +124,7 @@ def test_a_step_in_another_thread_does_not_nest():
 def test_recomputation_in_another_thread_replays(use_attach):
     """Autograd recomputes checkpointed segments in its device threads on accelerators: here
     backward runs in another thread (on CPU, autograd runs it in the calling thread)."""
-    x = torch.randn(5, 3)
-    results = []
-    for ckpt in (None, pu.checkpoint):
-        torch.manual_seed(1)
-        m = ReadAfterWrite()
-        opt = torch.optim.SGD(m.parameters(), lr=0.1)
-        if use_attach:
-            att = pu.attach(m, opt)
-            loss = m(x, ckpt)
-            _in_thread(loss.backward)
-            grads = [p.grad.clone() for p in (m.w, m.gain)]
-            opt.step()
-            att.detach()
-        else:
-            with pu.step(m, opt):
-                loss = m(x, ckpt)
-                _in_thread(loss.backward)
-                grads = [p.grad.clone() for p in (m.w, m.gain)]
-        results.append((loss.detach(), grads, snapshot(m)))
-    (l0, g0, s0), (l1, g1, s1) = results
-    assert torch.equal(bits(l0), bits(l1))
-    for a, b in zip(g0, g1):
-        assert torch.equal(bits(a), bits(b))
-    assert_same(s0, s1)
+    assert_recomputation_changes_nothing(use_attach, lambda loss: _in_thread(loss.backward))
 
 
 def test_running_stats_recomputed_in_another_thread_equal_no_checkpoint():

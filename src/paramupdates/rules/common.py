@@ -249,6 +249,34 @@ class WeakList:
         return not all(map(operator.is_, self.current(), itertools.repeat(None)))  # followed by name?
 
 
+class OnTensorList:
+    """What a rule declared on a list of tensors shares (``self._tensors``, a :class:`WeakList`, and
+    ``self.names`` in the same order): following them by name in the model it applies to, and
+    dropping the ones a later rule of the same kind took over. A mixin listed before ``Rule``."""
+
+    _tensors: WeakList
+    names: list[str]
+    _key: Any
+
+    def adopt(self, index: Any) -> None:
+        if self._tensors.root is None:
+            self._tensors.adopt(index.model, [None if t is None else index.name_of(t) for t in self._tensors.current()])
+
+    def lost_names(self) -> list[str]:
+        return self._tensors.lost_names()
+
+    def root(self) -> Any:
+        return self._tensors.root
+
+    def keep_except(self, ids: set[int]) -> list[int]:
+        """Keep the tensors whose ``id()`` is not in ``ids``; the positions kept (the plan is made again)."""
+        keep = [i for i, t in enumerate(self._tensors.current()) if t is None or id(t) not in ids]
+        self.names = [self.names[i] for i in keep]
+        self._tensors.keep(keep)
+        self._key = None
+        return keep
+
+
 _data_ptr = torch._C.TensorBase.data_ptr
 
 

@@ -56,6 +56,7 @@ from ..origin import call_site
 from ..phases import AFTER_GRAD
 from .base import Rule, register
 from .common import (
+    OnTensorList,
     WeakList,
     adopt_known,
     check_declared,
@@ -390,7 +391,7 @@ def clamp(min: float | None = None, max: float | None = None) -> Clamp:  # noqa:
     return Clamp(min, max)
 
 
-class Constrain(Rule):
+class Constrain(OnTensorList, Rule):
     """A constraint declared on some tensors (phase ``after_grad``)."""
 
     phase = AFTER_GRAD
@@ -442,21 +443,8 @@ class Constrain(Rule):
     def describe(self) -> str:
         return f"pu.constrain({self.constraint.name})"
 
-    def adopt(self, index: Any) -> None:
-        if self._tensors.root is None:
-            self._tensors.adopt(index.model, [None if t is None else index.name_of(t) for t in self._tensors.current()])
-
-    def lost_names(self) -> list[str]:
-        return self._tensors.lost_names()
-
-    def root(self) -> Any:
-        return self._tensors.root
-
     def drop(self, ids: set[int]) -> bool:
-        keep = [i for i, t in enumerate(self._tensors.current()) if t is None or id(t) not in ids]
-        self.names = [self.names[i] for i in keep]
-        self._tensors.keep(keep)
-        self._key = None  # plan again
+        keep = self.keep_except(ids)
         self._live = []
         return not keep
 

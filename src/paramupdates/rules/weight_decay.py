@@ -40,6 +40,7 @@ from ..parameter import Parameter
 from ..phases import BEFORE_GRAD
 from .base import Rule, register
 from .common import (
+    OnTensorList,
     WeakList,
     adopt_known,
     any_none,
@@ -63,7 +64,7 @@ def skip_1d(name: str, tensor: torch.Tensor) -> bool:
     return tensor.ndim <= 1
 
 
-class WeightDecay(Rule):
+class WeightDecay(OnTensorList, Rule):
     """Decoupled weight decay (see the module docstring for the math)."""
 
     phase = BEFORE_GRAD
@@ -123,22 +124,9 @@ class WeightDecay(Rule):
     def describe(self) -> str:
         return "pu.weight_decay"
 
-    def adopt(self, index: Any) -> None:
-        if self._tensors.root is None:
-            self._tensors.adopt(index.model, [None if t is None else index.name_of(t) for t in self._tensors.current()])
-
-    def lost_names(self) -> list[str]:
-        return self._tensors.lost_names()
-
-    def root(self) -> Any:
-        return self._tensors.root
-
     def drop(self, ids: set[int]) -> bool:
-        keep = [i for i, t in enumerate(self._tensors.current()) if t is None or id(t) not in ids]
-        self.names = [self.names[i] for i in keep]
+        keep = self.keep_except(ids)
         self.rates = [self.rates[i] for i in keep]
-        self._tensors.keep(keep)
-        self._key = None  # plan again
         return not keep
 
     # --- plan ------------------------------------------------------------------

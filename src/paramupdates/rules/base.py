@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import hooks
+from .. import hooks, sharding
 from ..errors import UpdateError
 from ..origin import call_site
 from ..schedule import ScheduleEntry
@@ -329,6 +329,7 @@ class RuleSet:
         self._union: list[torch.Tensor] = []
         self._key: tuple[int, ...] | None = None
         self._sub = False
+        self._sharded = True
 
     def check(self, rules: list[Rule], ctx: CommitContext) -> None:
         """Check every rule of a commit before it writes (raises what a rule's check raises)."""
@@ -345,7 +346,7 @@ class RuleSet:
             return False
         if any(a is not b for a, b in zip(rules, self._rules)):
             return False
-        if storage_key(self._union, self._sub) != self._key:
+        if storage_key(self._union, self._sub, self._sharded) != self._key:
             return False
         return all(rule.revalidate(ctx, held) for rule, held in zip(rules, self._held))
 
@@ -362,7 +363,8 @@ class RuleSet:
                     seen.add(id(t))
                     union.append(t)
         self._sub = has_subclass(union)
-        self._key = storage_key(union, self._sub)
+        self._sharded = sharding.any_sharded(union)  # (the same tensors, held: fixed until the next record)
+        self._key = storage_key(union, self._sub, self._sharded)
         self._union = union
         self._held = held  # type: ignore[assignment]
         self._rules = list(rules)

@@ -280,13 +280,15 @@ class OnTensorList:
 _data_ptr = torch._C.TensorBase.data_ptr
 
 
-def storage_key(ts: list[torch.Tensor], sub: bool = True) -> tuple[int, ...]:
+def storage_key(ts: list[torch.Tensor], sub: bool = True, sharded: bool = True) -> tuple[int, ...]:
     """Identity of the storage behind each tensor: changes when ``.data`` is replaced (``model.to()``).
 
     ``sub``: some tensor may be a ``pu.Parameter`` (then skip its ``__torch_function__``). A DTensor
-    is keyed by its local shard (the DTensor itself has no storage: its ``data_ptr()`` is 0).
+    is keyed by its local shard (the DTensor itself has no storage: its ``data_ptr()`` is 0);
+    ``sharded=False``: the caller knows none of ``ts`` is one (no pass over their types).
     """
-    ts = sharding.locals_of(ts)
+    if sharded:
+        ts = sharding.locals_of(ts)
     with plain_if(sub):
         return tuple(map(_data_ptr, ts))
 

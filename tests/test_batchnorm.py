@@ -5,11 +5,14 @@ same state on the same data and compares outputs, input and parameter
 gradients and every buffer bitwise (CPU).
 """
 
+import inspect
+
 import pytest
 import torch
 from torch import nn
 
 import paramupdates as pu
+import paramupdates.nn.batchnorm as pu_batchnorm
 
 from conftest import bits
 
@@ -145,6 +148,15 @@ def test_schedule_origin_is_the_module():
     s.run(mod, torch.randn(8, 4))
     assert [r.phase for r in s.schedule()] == ["auxiliary"] * 3
     assert all("paramupdates/nn/batchnorm.py:" in r.origin for r in s.schedule())
+    # the line of forward that issues them (kept once, not captured per call): the same line that
+    # a capture in that frame finds, for a plain module and for the synced path alike
+    lines, start = inspect.getsourcelines(pu_batchnorm.UpdateSafeBatchNorm.forward)
+    line = start + next(i for i, text in enumerate(lines) if "self._train_with_stats(" in text)
+    assert all(r.origin.endswith(f"batchnorm.py:{line}") for r in s.schedule())
+    synced = pu.nn.BatchNorm1d(4, sync_stats=True)
+    s2 = pu.Stepper(synced)
+    s2.run(synced, torch.randn(8, 4))
+    assert all(r.origin.endswith(f"batchnorm.py:{line}") for r in s2.schedule())
 
 
 def test_reset_running_stats_in_a_step_is_pending():

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import context, hooks
+from ..origin import Origin, capture
 from ..updates import assign, issue_computed
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "UpdateSafeBatchNorm"]
@@ -71,6 +72,24 @@ def _under_functorch() -> bool:
     if torch.compiler.is_compiling():
         return False
     return torch._C._functorch.maybe_current_level() is not None
+
+
+_SITE: list[Origin] = []
+
+
+def _forward_site() -> Origin | None:
+    """The line of :meth:`UpdateSafeBatchNorm.forward` that issues the statistics, the call site
+    they show (what :func:`capture` finds there), captured once: one line, one site. ``None`` while
+    dynamo traces (the tracing support names the site then)."""
+    if torch.compiler.is_compiling():
+        return None
+    if _SITE:
+        return _SITE[0]
+    site = capture(2)
+    if isinstance(site, Origin):
+        _SITE.append(site)
+        return site
+    return None
 
 
 class UpdateSafeBatchNorm:
@@ -114,8 +133,9 @@ class UpdateSafeBatchNorm:
     def _sync(self) -> str | None:
         return "mean" if self.sync_stats else None
 
-    def _train_with_stats(self, input: Tensor) -> Tensor:
-        """Normalize with the batch statistics and issue the three running-statistics updates."""
+    def _train_with_stats(self, input: Tensor, origin: Origin | None = None) -> Tensor:
+        """Normalize with the batch statistics and issue the three running-statistics updates
+        (``origin``: the call site they show, if the caller knows it; else the caller's line)."""
         rm, rv, nbt = self.running_mean, self.running_var, self.num_batches_tracked  # pending values (rule 1)
         assert rm is not None and rv is not None
         factor = 0.0 if self.momentum is None else float(self.momentum)
@@ -134,10 +154,12 @@ class UpdateSafeBatchNorm:
             new_mean, new_var, out = self._batch_stats(input, rm, rv, factor)
         sync = self._sync()
         if sync is None:
-            issue_computed([*counted, (rm, "assign", new_mean, new_mean), (rv, "assign", new_var, new_var)])
+            issue_computed(
+                [*counted, (rm, "assign", new_mean, new_mean), (rv, "assign", new_var, new_var)], None, 3, origin
+            )
         else:  # the statistics are synced across ranks; the counter is not (every rank counts alike)
-            issue_computed(counted)
-            issue_computed([(rm, "assign", new_mean, new_mean), (rv, "assign", new_var, new_var)], sync)
+            issue_computed(counted, None, 3, origin)
+            issue_computed([(rm, "assign", new_mean, new_mean), (rv, "assign", new_var, new_var)], sync, 3, origin)
         return out
 
     def _batch_stats(self, input: Tensor, rm: Tensor, rv: Tensor, factor: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -178,7 +200,7 @@ class UpdateSafeBatchNorm:
         if self.training and self.track_running_stats:
             if _nothing_records() and not (self.sync_stats and hooks.sync_active()):
                 return self._eager_in_place(input)
-            return self._train_with_stats(input)
+            return self._train_with_stats(input, _forward_site())  # (one line: the site is this line)
         # train mode without tracking, or eval mode: nothing is updated
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
         use_buffers = not self.training

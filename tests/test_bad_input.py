@@ -182,6 +182,21 @@ def test_nonfinite_raise(bad):
     assert_same(before, snapshot(m, opt))
 
 
+def test_nonfinite_raise_names_the_first_few_of_many_and_counts_the_rest():
+    """A NaN input poisons the statistics of every batch norm: the message names the first five
+    targets with their call sites and says how many more (readable for a model of hundreds)."""
+    m = pu.convert(nn.Sequential(*[nn.BatchNorm1d(2) for _ in range(10)]))
+    before = snapshot(m)
+    with pytest.raises(pu.UpdateError) as ei:
+        with pu.step(m):
+            m(torch.tensor([[float("nan"), 1.0], [2.0, 3.0]]))
+    msg = str(ei.value)
+    assert msg.count("(last update at ") == 5, msg
+    assert "'0.running_mean'" in msg and "and 15 more" in msg, msg  # 20 statistics: mean and var of 10
+    assert "Nothing was written" in msg
+    assert_same(before, snapshot(m))
+
+
 def test_nonfinite_raise_under_attach():
     m, opt = _trained()
     att = pu.attach(m, opt)

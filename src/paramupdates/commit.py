@@ -50,7 +50,7 @@ import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from . import context, hooks, overlay, sharding
-from .errors import UpdateError
+from .errors import UpdateError, listed
 from .ops import apply_op
 from .phases import AFTER_OPTIMIZER, AFTER_STEP, AUXILIARY, BEFORE_GRAD, GRAD, PHASES
 from .rollback import Rollback, SnapshotPool
@@ -158,7 +158,7 @@ class Commit:
             names = j.index.meta_names()
             self._end("aborted")
             raise UpdateError(
-                f"{self.label}: {', '.join(map(repr, names[:3]))}{f' and {len(names) - 3} more' if len(names) > 3 else ''} "
+                f"{self.label}: {listed(list(map(repr, names)))} "
                 f"of {type(j.index.model).__name__} {'is' if len(names) == 1 else 'are'} on the meta device: no "
                 "values to update or step. Materialize the model first (model.to_empty(device=...) and initialize "
                 "it, or load_state_dict(..., assign=True)). Nothing was written."
@@ -231,15 +231,14 @@ class Commit:
                         "on_nonfinite='skip' to drop such steps (they are counted, on every rank alike)."
                     )
                 if bad:
-                    lines = "; ".join(f"{e.name!r} (last update at {e.records[-1].origin})" for e in bad)
+                    lines = listed([f"{e.name!r} (last update at {e.records[-1].origin})" for e in bad], 5, "; ")
                     raise UpdateError(
                         f"{self.label}: non-finite pending value for {lines}. Nothing was written. "
                         "Fix the value, or pass on_nonfinite='skip' to drop such steps (they are counted)."
                     )
-                names = ", ".join(repr(self._param_name(params[i])) for i in bad_grads[:5])
-                more = f" and {len(bad_grads) - 5} more" if len(bad_grads) > 5 else ""
+                names = listed([repr(self._param_name(params[i])) for i in bad_grads], 5)
                 raise UpdateError(
-                    f"{self.label}: non-finite gradient of {names}{more}, which "
+                    f"{self.label}: non-finite gradient of {names}, which "
                     f"{type(self.optimizer).__name__}.step() would write into the parameter. Nothing was "
                     "written. Fix the loss, the data or the learning rate; or pass on_nonfinite='skip' to skip "
                     "such steps as torch.amp.GradScaler does (the whole step, counted in skipped_steps); or "

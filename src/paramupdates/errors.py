@@ -6,6 +6,15 @@ site (``file:line``) of the offending update, and what to do about it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+
+def listed(items: Sequence[str], n: int = 3, sep: str = ", ") -> str:
+    """The first ``n`` of ``items`` joined by ``sep``, and how many more: what an error shows of a
+    long list of targets (a message stays readable for a model with hundreds of them)."""
+    shown = sep.join(items[:n])
+    return shown + (f" and {len(items) - n} more" if len(items) > n else "")
+
 
 class UpdateError(RuntimeError):
     """An update cannot be recorded or committed.

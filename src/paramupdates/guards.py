@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from . import context, overlay
-from .errors import UpdateError
+from .errors import UpdateError, listed
 from .origin import call_site
 
 
@@ -105,7 +105,7 @@ def refuse_load(
             if key in state_dict:
                 keys.append(key)
         if keys:
-            shown = ", ".join(map(repr, keys[:3])) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+            shown = listed(list(map(repr, keys)))
             raise UpdateError(
                 f"{type(module).__name__}.load_state_dict() at {call_site(1)} would load {shown}, which "
                 f"{j.label} holds pending updates of. Nothing was loaded. Load between steps (after the "

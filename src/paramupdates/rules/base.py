@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import hooks, sharding
-from ..errors import UpdateError
+from ..errors import UpdateError, listed
 from ..origin import call_site
 from ..schedule import ScheduleEntry
 from .common import has_subclass, storage_key
@@ -212,7 +212,7 @@ def register(rule: Rule) -> Rule:
             if not common:
                 continue
             names = old.names_of(common)
-            shown = ", ".join(map(repr, names[:4])) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+            shown = listed(list(map(repr, names)), 4)
             warnings.warn(
                 f"{rule.describe()} declared at {rule.origin} replaces the {old.describe()} declared at "
                 f"{old.origin} on {shown}: a rule of the same kind declared again on the same tensors "
@@ -277,7 +277,7 @@ def rules_for(index: ModelIndex) -> list[Rule]:
     for r in _RULES:
         lost = r.lost_names()
         if lost and index.module_name(r.root()) is not None:
-            shown = ", ".join(map(repr, lost[:4])) + (f" and {len(lost) - 4} more" if len(lost) > 4 else "")
+            shown = listed(list(map(repr, lost)), 4)
             raise UpdateError(
                 f"{r.describe()} declared at {r.origin} covers {shown}, which {type(index.model).__name__} "
                 "no longer has under that name (a layer removed or renamed after the declaration). Nothing of "

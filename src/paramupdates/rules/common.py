@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .. import context, hooks, sharding
-from ..errors import UpdateError
+from ..errors import UpdateError, listed
 from ..targets import index_of, index_owning
 
 Named = list[tuple[str, torch.Tensor]]
@@ -98,7 +98,7 @@ def refuse_inside_step(fn: str, origin: str, tensors: Iterable[torch.Tensor] = (
         ]
         names += [row[1].name for row in j.rows if id(row[0]) in ids or id(row[4]) in ids]
         if names:
-            shown = ", ".join(map(repr, names[:3])) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            shown = listed(list(map(repr, names)))
             fix = (
                 "Call flush() (commit them now) or discard() (drop them) on that attachment first"
                 if att is not None

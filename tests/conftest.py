@@ -39,6 +39,24 @@ def snapshot(*objs):
     return out
 
 
+def assert_trains_like(net, ref, inputs) -> None:
+    """SGD steps of ``net`` in ``pu.step`` and of ``ref`` in plain PyTorch, one per input: outputs
+    bitwise equal at each step, and every tensor of the two models bitwise equal after them."""
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x in inputs:
+        with pu.step(net, opt):
+            out = net(x)
+            out.square().mean().backward()
+        ref_out = ref(x)
+        ref_out.square().mean().backward()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        assert torch.equal(bits(out), bits(ref_out))
+    assert_same(snapshot(ref), snapshot(net))
+
+
 def assert_same(a, b):
     assert len(a) == len(b)
     for (ka, va), (kb, vb) in zip(a, b):

@@ -9,7 +9,7 @@ from torch import nn
 
 import paramupdates as pu
 
-from conftest import assert_same, bits, snapshot
+from conftest import assert_same, assert_trains_like, bits, snapshot
 
 
 class NormAct(nn.BatchNorm2d):
@@ -78,21 +78,8 @@ def test_a_registered_converter_keeps_the_extra_behaviour_and_its_handle_removes
     assert type(net[1]) is SafeNormAct and isinstance(net[1], NormAct) and net[1].weight is weight
     assert net[1].act is act  # the same submodules
     # training: outputs, gradients, weights and running statistics bitwise the unconverted model's
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(2)
-    for _ in range(3):
-        x = torch.randn(5, 3, 6, 6, generator=g)
-        with pu.step(net, opt):
-            out = net(x)
-            out.square().mean().backward()
-        ref_out = ref(x)
-        ref_out.square().mean().backward()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        assert torch.equal(bits(out), bits(ref_out))
-    assert_same(snapshot(ref), snapshot(net))
+    assert_trains_like(net, ref, [torch.randn(5, 3, 6, 6, generator=g) for _ in range(3)])
     assert int(net[1].num_batches_tracked) == 3
     handle.remove()
     with pytest.warns(pu.nn.ConvertWarning, match="NormAct"):

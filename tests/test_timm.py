@@ -11,7 +11,7 @@ import torch
 
 import paramupdates as pu
 
-from conftest import assert_same, bits, snapshot
+from conftest import assert_same, assert_trains_like, bits, snapshot
 from frameworks import import_timm
 
 
@@ -47,16 +47,7 @@ def test_converted_timm_model_equals_timm_bitwise(timm, name):
     # a training step: outputs, gradients, weights and running statistics bitwise timm's
     ref.train()
     net.train()
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    with pu.step(net, opt):
-        out = net(x)
-        out.square().mean().backward()
-    ref_out = ref(x)
-    ref_out.square().mean().backward()
-    ref_opt.step()
-    assert torch.equal(bits(out), bits(ref_out))
-    assert_same(snapshot(ref), snapshot(net))
+    assert_trains_like(net, ref, [x])
 
 
 def test_timm_sync_batchnorm_act_is_converted_too(timm):

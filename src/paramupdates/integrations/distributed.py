@@ -74,7 +74,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .. import hooks, sharding
-from ..errors import UpdateError
+from ..errors import UpdateError, listed
 from ..ops import apply_inplace, apply_op
 
 if TYPE_CHECKING:
@@ -230,12 +230,15 @@ def all_reduce_sum(flats: Sequence[torch.Tensor], group: Any, timeout: float | N
             w.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
 
 
-def incomplete_message(err: RuntimeError, timeout: float | None, where_: str) -> str:
+def incomplete(what: str, err: RuntimeError, timeout: float | None, where_: str) -> UpdateError:
+    """The error for a collective of ``what`` (who issued it, on which targets) that failed or timed out:
+    which rank to suspect, and that this rank wrote nothing."""
     limit = "" if timeout is None else f" (sync_timeout={timeout:g} s)"
-    return (
-        f"did not complete{limit}: {str(err).rstrip('.!')}. Another rank did not reach {where_} "
+    return UpdateError(
+        f"{what}: did not complete{limit}: {str(err).rstrip('.!')}. Another rank did not reach {where_} "
         "(did it raise inside its step, or stop?). The process group is now unusable (a collective is left "
-        "half done): destroy it (torch.distributed.destroy_process_group()) and restart the job."
+        "half done): destroy it (torch.distributed.destroy_process_group()) and restart the job. Nothing was "
+        "written on this rank."
     )
 
 
@@ -265,9 +268,8 @@ def apply_eager(
             try:
                 new = sync_dtensor(new, sync)
             except RuntimeError as err:
-                raise UpdateError(
-                    f"pu.{op} on {name!r} at {origin} (sync={sync!r}, outside a step): "
-                    f"{incomplete_message(err, None, 'this update')} Nothing was written on this rank."
+                raise incomplete(
+                    f"pu.{op} on {name!r} at {origin} (sync={sync!r}, outside a step)", err, None, "this update"
                 ) from err
             sharding.local(target).copy_(sharding.local(new))
         return
@@ -280,20 +282,20 @@ def apply_eager(
         try:
             all_reduce_sum([flat], None, None)
         except RuntimeError as err:
-            raise UpdateError(
-                f"pu.{op} on {name!r} at {origin} (sync={sync!r}, outside a step): "
-                f"{incomplete_message(err, None, 'this update')} Nothing was written on this rank."
+            raise incomplete(
+                f"pu.{op} on {name!r} at {origin} (sync={sync!r}, outside a step)", err, None, "this update"
             ) from err
         if sync == "mean":
             _divide(flat, dist.get_world_size())
         raw.copy_(flat.view(raw.shape))
 
 
-def _fail(commit: Commit, entries: Sequence[Entry], what: str, group: Any) -> UpdateError:
-    names = ", ".join(repr(e.name) for e in entries[:4]) + (", ..." if len(entries) > 4 else "")
-    return UpdateError(
+def _syncing(commit: Commit, entries: Sequence[Entry], group: Any) -> str:
+    """What a failed sync of ``entries`` was, for :func:`incomplete`."""
+    names = listed([repr(e.name) for e in entries], 4)
+    return (
         f"{commit.label}: sync of {len(entries)} target(s) ({names}; last update at {entries[-1].records[-1].origin}) "
-        f"over {dist.get_world_size(group)} ranks: {what} Nothing was written on this rank."
+        f"over {dist.get_world_size(group)} ranks"
     )
 
 
@@ -313,7 +315,7 @@ def sync_entries(commit: Commit, entries: Sequence[Entry], local_nonfinite: bool
             try:
                 e.value = sync_dtensor(e.value, e.sync, timeout)
             except RuntimeError as err:
-                raise _fail(commit, [e], incomplete_message(err, timeout, "this commit"), group) from err
+                raise incomplete(_syncing(commit, [e], group), err, timeout, "this commit") from err
         entries = [e for e in entries if not e.sharded]
         if not entries:
             return 0
@@ -342,19 +344,17 @@ def sync_entries(commit: Commit, entries: Sequence[Entry], local_nonfinite: bool
     try:
         all_reduce_sum(flats, group, timeout)
     except RuntimeError as err:
-        raise _fail(commit, entries, incomplete_message(err, timeout, "this commit"), group) from err
+        raise incomplete(_syncing(commit, entries, group), err, timeout, "this commit") from err
     head = [int(h.real) if isinstance(h, complex) else int(h) for h in flats[0][:_HEADER].tolist()]
     nbad, sx, sxx = head[0], head[1 : 1 + _CHUNKS], head[1 + _CHUNKS :]
     # every rank sent the same x_i exactly when R * sum(x_i**2) == sum(x_i)**2 (Cauchy-Schwarz)
     if any(world * q != s * s for s, q in zip(sx, sxx)):
-        raise _fail(
-            commit,
-            entries,
-            "the ranks disagree: they are not committing the same synced targets (names, shapes, dtypes, "
+        raise UpdateError(
+            f"{_syncing(commit, entries, group)}: the ranks disagree: they are not committing the same synced targets (names, shapes, dtypes, "
             "reductions) or not the same step of their stepper. Every rank must issue its synced updates "
             "to the same targets in each step (a pu.when(tensor) condition is fine, a Python branch that "
-            "differs between ranks is not), and a rank whose step raised must not go on alone.",
-            group,
+            "differs between ranks is not), and a rank whose step raised must not go on alone. Nothing was "
+            "written on this rank."
         )
     for i, (_k, ents) in enumerate(plan):
         flat = flats[i][_HEADER:] if i == 0 else flats[i]

@@ -242,7 +242,7 @@ class FSDPHooks(sharding.ShardingHooks):
         return self._layout(index)[0]
 
     def agree_nonfinite(self, commit: Any, local_bad: bool) -> int:
-        from .distributed import all_reduce_sum, incomplete_message
+        from .distributed import all_reduce_sum, incomplete
 
         timeout = commit.options.sync_timeout
         _, mesh = self._layout(commit.journal.index)
@@ -251,9 +251,11 @@ class FSDPHooks(sharding.ShardingHooks):
         try:
             all_reduce_sum([flag], group, timeout)
         except RuntimeError as err:
-            raise UpdateError(
-                f"{commit.label}: deciding on non-finite values with the other ranks of the sharded model "
-                f"{incomplete_message(err, timeout, 'this commit')} Nothing was written on this rank."
+            raise incomplete(
+                f"{commit.label}: deciding on non-finite values with the other ranks of the sharded model",
+                err,
+                timeout,
+                "this commit",
             ) from err
         return int(flag.item())
 

@@ -7,6 +7,8 @@ the committed schedule (same ops, same ``file:line`` origins). Backends:
 autograd's functionalization), inductor once. Deselect with ``-m "not compile"``.
 """
 
+import contextlib
+
 import pytest
 import torch
 import torch._dynamo
@@ -146,6 +148,53 @@ def test_gradient_accumulation_under_attach_compiles_per_position_not_per_step()
     _check_same(eager, compiled)
     assert int(m2.count) == 12
     # one graph per micro-batch position (none / some / more records pending), not per step
+    assert cc.frame_count == 3
+
+
+class BNNet(nn.Module):
+    """Two Linear + pu.nn.BatchNorm1d blocks: the statistics take the per-layer rows path."""
+
+    def __init__(self, bn=pu.nn.BatchNorm1d):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(3, 8), bn(8), nn.ReLU(), nn.Linear(8, 4), bn(4))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+@pytest.mark.parametrize("mode", ["step", "attach", "two attachments"])
+def test_batch_norm_gradient_accumulation_compiles_per_position_not_per_step(mode):
+    """Micro-batches 2 and 3 read the statistics pending from the ones before. Those are new
+    tensors every step: the traced code finds them by identity, never by id() (a guard on the
+    object: one recompilation per step until dynamo's limit, where fullgraph=True raises). One
+    graph per micro-batch position for 5 steps; statistics bitwise those of
+    torch.nn.BatchNorm1d. "two attachments": another model, attached first and trained in the
+    same loop (a GAN's other network), is asked first and must not take them either."""
+    batches = _batches(5, accum=3)
+    ref, ref_opt = _make(lambda: BNNet(nn.BatchNorm1d))
+    m, opt = _make(BNNet)
+    other, other_opt = _make(BNNet)
+    atts = [pu.attach(other, other_opt)] if mode == "two attachments" else []
+    atts += [pu.attach(m, opt)] if mode != "step" else []
+    cc = CompileCounterWithBackend("eager")
+    fwd = torch.compile(m, fullgraph=True, backend=cc)
+    for xs in batches:
+        for o in (ref_opt, opt, other_opt):
+            o.zero_grad()
+        with pu.step(m, opt) if mode == "step" else contextlib.nullcontext():
+            for x in xs:
+                ref(x).square().mean().backward()
+                fwd(x).square().mean().backward()
+                if atts[:-1]:
+                    other(x).square().mean().backward()
+            if mode != "step":
+                opt.step()
+        ref_opt.step()
+        other_opt.step()
+    for a in atts:
+        a.detach()
+    assert_same(_state(ref, ref_opt), _state(m, opt))
+    assert int(m.body[1].num_batches_tracked) == 15
     assert cc.frame_count == 3
 
 

@@ -209,6 +209,11 @@ class Journal:
             e.raw = _plain_view(t)  # its storage now (check_storage: replaced in the step?)
         return e
 
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is the pending value of one of this step's targets, found by identity (what
+        dynamo traces without guarding on ``id()`` of a tensor made in a step)."""
+        return any(row[4] is t for row in self.rows) or any(e.value is t for e in self.entries.values())
+
     def _in_rows(self, t: torch.Tensor, compiling: bool) -> bool:
         """Whether ``t`` is the target or the pending value of a row."""
         if compiling:

@@ -148,6 +148,10 @@ def issue_computed(
 def journal_for(t: torch.Tensor, compiling: bool) -> Journal | None:
     """The journal of the step whose model has ``t`` as a parameter or buffer (its index as built,
     no rebuild), or None: a cheap look-up for :func:`issue_computed`'s fast path."""
+    if compiling:
+        j = _holding(t)
+        if j is not None:
+            return j
     for j in reversed(_local.explicit):
         if j.index.peek(t) is not None:
             return j
@@ -158,10 +162,30 @@ def journal_for(t: torch.Tensor, compiling: bool) -> Journal | None:
     return None
 
 
+def _holding(t: torch.Tensor) -> Journal | None:
+    """Under dynamo: the open journal that has ``t`` as a pending value, found by identity. A pending
+    value is a new tensor every step, and ``id()`` of it (an index look-up) would make dynamo guard
+    on that object: a recompilation per step (gradient accumulation: the later micro-batches read
+    what the earlier ones left pending)."""
+    for j in reversed(_local.explicit):
+        if j.holds(t):
+            return j
+    for att in context.attachments:
+        if att.journal is not None and att.journal.holds(t):
+            return att.journal
+    return None
+
+
 def route(
     t: torch.Tensor, origin: Origin | str, op: str, compiling: bool = False
 ) -> tuple[Journal | None, Entry | None]:
     """The journal that records updates of target ``t``; ``(None, None)``: apply eagerly."""
+    if compiling:
+        j = _holding(t)
+        if j is not None:
+            e = j.find(t, True, compiling)
+            if e is not None:
+                return j, e
     for j in reversed(_local.explicit):
         e = j.find(t, True, compiling)
         if e is not None:

@@ -55,6 +55,31 @@ def test_updates_of_the_second_model_do_not_rebuild_the_first_index(monkeypatch)
     assert not any(m is g for m in builds), f"G's index was rebuilt {sum(m is g for m in builds)} times"
 
 
+def test_pending_values_of_the_second_model_do_not_rebuild_the_first_index(monkeypatch):
+    """Gradient accumulation with both models in the step: D's later micro-batches update its pending
+    values (new tensors, in no index). Asked first, G must see they are D's, not rebuild its index
+    (mid-step its buffer slots show pending values, which a rebuild would take for its buffers)."""
+    g, d, og, od, ag, ad = _pair()
+    builds = []
+    real = targets.ModelIndex.build
+
+    def counting(self):
+        builds.append(self.model)
+        return real(self)
+
+    monkeypatch.setattr(targets.ModelIndex, "build", counting)
+    x = torch.randn(4, 3)
+    for _ in range(2):
+        for _ in range(3):  # micro-batches
+            g(x).sum().backward()
+            d(x).sum().backward()
+        og.step()
+        od.step()
+    assert int(g.count) == 6 and int(d.count) == 6
+    assert not any(m is g for m in builds), f"G's index was rebuilt {sum(m is g for m in builds)} times"
+    assert not any(m is d for m in builds), f"D's index was rebuilt {sum(m is d for m in builds)} times"
+
+
 def test_tensor_of_no_model_still_applies_eagerly():
     g, d, og, od, ag, ad = _pair()
     holder = nn.Module()

@@ -162,20 +162,23 @@ class BNNet(nn.Module):
         return self.body(x)
 
 
-@pytest.mark.parametrize("mode", ["step", "attach", "two attachments"])
+@pytest.mark.parametrize("mode", ["step", "attach", "other attached first", "other attached second"])
 def test_batch_norm_gradient_accumulation_compiles_per_position_not_per_step(mode):
     """Micro-batches 2 and 3 read the statistics pending from the ones before. Those are new
     tensors every step: the traced code finds them by identity, never by id() (a guard on the
     object: one recompilation per step until dynamo's limit, where fullgraph=True raises). One
     graph per micro-batch position for 5 steps; statistics bitwise those of
-    torch.nn.BatchNorm1d. "two attachments": another model, attached first and trained in the
-    same loop (a GAN's other network), is asked first and must not take them either."""
+    torch.nn.BatchNorm1d. "other attached ...": another model trained in the same loop (a GAN's
+    other network) is attached too. Asked first, it must not take this model's pending values;
+    asked second about its own, this model must not rebuild its index for them (mid-step, with
+    pending values in its buffer slots, the index would take them for the buffers)."""
     batches = _batches(5, accum=3)
     ref, ref_opt = _make(lambda: BNNet(nn.BatchNorm1d))
     m, opt = _make(BNNet)
     other, other_opt = _make(BNNet)
-    atts = [pu.attach(other, other_opt)] if mode == "two attachments" else []
-    atts += [pu.attach(m, opt)] if mode != "step" else []
+    atts = [] if mode == "step" else [pu.attach(m, opt)]
+    if mode.startswith("other"):
+        atts.insert(0 if mode.endswith("first") else 1, pu.attach(other, other_opt))
     cc = CompileCounterWithBackend("eager")
     fwd = torch.compile(m, fullgraph=True, backend=cc)
     for xs in batches:
@@ -185,7 +188,7 @@ def test_batch_norm_gradient_accumulation_compiles_per_position_not_per_step(mod
             for x in xs:
                 ref(x).square().mean().backward()
                 fwd(x).square().mean().backward()
-                if atts[:-1]:
+                if len(atts) == 2:
                     other(x).square().mean().backward()
             if mode != "step":
                 opt.step()

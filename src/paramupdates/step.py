@@ -510,16 +510,26 @@ class Attachment(_Owner):
         added), which walks the whole module tree: with two attached models
         (a GAN's generator and discriminator), every update of the second
         would rebuild the first's index. A tensor that this index does not
-        know but another live step's or attachment's index does is theirs.
+        know but another live step's or attachment's index does, or that is
+        the pending value of another's step (a later micro-batch reads it), is
+        theirs. (A rebuild while this model's buffer slots show pending values
+        would also index those values in place of the buffers.)
         """
         if self.index.peek(t) is not None:
             return False
         if self.journal is not None and self.journal.find(t, create=False) is not None:
             return False
         for j in context.local.explicit:
-            if j.index.peek(t) is not None:
+            if j.index.peek(t) is not None or j.find(t, create=False) is not None:
                 return True
-        return any(other is not self and other.index.peek(t) is not None for other in context.attachments)
+        return any(
+            other is not self
+            and (
+                other.index.peek(t) is not None
+                or (other.journal is not None and other.journal.find(t, create=False) is not None)
+            )
+            for other in context.attachments
+        )
 
     # the commit ----------------------------------------------------------------
     def _recover(self) -> None:

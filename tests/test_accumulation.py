@@ -12,6 +12,8 @@ The semantics (read-your-writes, rule 1 and phase order (rule 4)), stated and ch
   update, not once per micro-batch.
 """
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -134,3 +136,44 @@ def test_accumulation_equals_plain_pytorch_loop_bitwise():
     assert int(model.seen) == 2 * 6 * K and int(model.bn.num_batches_tracked) == 2 * K
     for p, q in zip(ref.parameters(), model.parameters()):
         assert torch.equal(bits(p), bits(q))
+
+
+class LazyCounter(nn.Module):
+    """Registers its buffer on its first forward (as lazy modules and some user code do)."""
+
+    def forward(self, x):
+        if not hasattr(self, "seen"):
+            self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+        pu.assign_add(self.seen, 1)
+        return x
+
+
+@pytest.mark.parametrize("mode", ["step", "attach"])
+def test_buffer_registered_mid_step_after_pending_statistics(mode):
+    """The new buffer makes the model's index rebuild mid-step, while the batch norm's buffer slots
+    show its pending statistics (read-your-writes, rule 1). The index takes the stored buffers,
+    not those values: micro-batch 2 updates the statistics, not a pending copy of them (before:
+    AssertionError in the journal). Bitwise plain PyTorch over 2 steps x 2 micro-batches."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4, momentum=MOM))
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 4), pu.nn.BatchNorm1d(4, momentum=MOM), LazyCounter())
+    ref_opt, opt = (torch.optim.SGD(n.parameters(), lr=LR) for n in (ref, m))
+    att = pu.attach(m, opt) if mode == "attach" else None
+    g = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        xs = [torch.randn(8, 3, generator=g) for _ in range(2)]
+        for x in xs:
+            ref(x).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        with pu.step(m, opt) if att is None else contextlib.nullcontext():
+            for x in xs:
+                m(x).square().mean().backward()
+        if att is not None:
+            opt.step()
+        opt.zero_grad()
+    if att is not None:
+        att.detach()
+    assert int(m[2].seen) == 4
+    assert_same(snapshot(ref), [(k, v) for k, v in snapshot(m) if not k.startswith("2.")])

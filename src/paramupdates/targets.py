@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import guards, hooks, overlay, sharding
+from . import context, guards, hooks, overlay, sharding
 
 
 @dataclass(eq=False)
@@ -54,10 +54,15 @@ class ModelIndex:
         return self._model_ref()
 
     def build(self) -> None:
-        """Walk the module tree; the first name of a shared tensor wins."""
+        """Walk the module tree; the first name of a shared tensor wins.
+
+        Built during a step (a module registered a buffer in forward, say), a buffer slot may show
+        a pending value (read-your-writes, rule 1): the stored tensor behind it is indexed, never
+        the pending value (whose updates would then be committed into it, not into the buffer)."""
         model = self.model
         by_id: dict[int, TargetInfo] = {}
         modules: dict[int, tuple[weakref.ref, str]] = {}
+        journals = guards.open_journals() if (context.steps or context.attachments) else []
         has_meta = False
         if model is not None:
             visitors = list(hooks.module_visitors.values())
@@ -71,6 +76,10 @@ class ModelIndex:
                     guards.guard_module(mod)  # state_dict() saves stored values inside a step
                 for kind, table in (("parameter", mod._parameters), ("buffer", mod._buffers)):
                     for attr, t in table.items():
+                        if journals and t is not None and kind == "buffer":
+                            found = guards.stored_of(t, journals)
+                            if found is not None and found[1] is table:
+                                t = found[0]  # (the slot shows its pending value)
                         if t is not None and id(t) not in by_id:
                             if kind == "parameter" and type(t) is nn.Parameter:
                                 _keep_type(t, prefix + attr, self.by_id)

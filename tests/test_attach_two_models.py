@@ -4,6 +4,7 @@ Routing must neither cross over (an update of D committed by G's optimizer
 step) nor cost a walk of G's module tree per update of D.
 """
 
+import pytest
 import torch
 from torch import nn
 
@@ -37,16 +38,27 @@ def test_each_update_commits_with_its_own_optimizer_step():
     assert any(r.target == "count" for r in ag.schedule()) and any(r.target == "count" for r in ad.schedule())
 
 
-def test_updates_of_the_second_model_do_not_rebuild_the_first_index(monkeypatch):
+@pytest.fixture
+def count_builds(monkeypatch):
+    """``count_builds()``: a list that gets every model whose index is (re)built from then on."""
+
+    def start():
+        seen = []
+        real = targets.ModelIndex.build
+
+        def counting(self):
+            seen.append(self.model)
+            return real(self)
+
+        monkeypatch.setattr(targets.ModelIndex, "build", counting)
+        return seen
+
+    return start
+
+
+def test_updates_of_the_second_model_do_not_rebuild_the_first_index(count_builds):
     g, d, og, od, ag, ad = _pair()
-    builds = []
-    real = targets.ModelIndex.build
-
-    def counting(self):
-        builds.append(self.model)
-        return real(self)
-
-    monkeypatch.setattr(targets.ModelIndex, "build", counting)
+    builds = count_builds()
     x = torch.randn(4, 3)
     for _ in range(3):
         d(x).sum().backward()
@@ -55,19 +67,12 @@ def test_updates_of_the_second_model_do_not_rebuild_the_first_index(monkeypatch)
     assert not any(m is g for m in builds), f"G's index was rebuilt {sum(m is g for m in builds)} times"
 
 
-def test_pending_values_of_the_second_model_do_not_rebuild_the_first_index(monkeypatch):
+def test_pending_values_of_the_second_model_do_not_rebuild_the_first_index(count_builds):
     """Gradient accumulation with both models in the step: D's later micro-batches update its pending
     values (new tensors, in no index). Asked first, G must see they are D's, not rebuild its index
     (mid-step its buffer slots show pending values, which a rebuild would take for its buffers)."""
     g, d, og, od, ag, ad = _pair()
-    builds = []
-    real = targets.ModelIndex.build
-
-    def counting(self):
-        builds.append(self.model)
-        return real(self)
-
-    monkeypatch.setattr(targets.ModelIndex, "build", counting)
+    builds = count_builds()
     x = torch.randn(4, 3)
     for _ in range(2):
         for _ in range(3):  # micro-batches

@@ -42,3 +42,17 @@ def test_device_cuda_without_cuda_says_so():
     assert out.returncode != 0
     assert "--device cuda: CUDA is not available" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.compile
+def test_compiled_split_runs_and_prints_every_part():
+    out = subprocess.run(
+        [sys.executable, "benchmarks/compiled_split.py", "--steps", "2", "--backend", "eager"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    for part in ("forward", "backward", "step / commit", "whole step", "guard check, torch", "guard check, pu.step"):
+        assert part in out.stdout, part

@@ -173,3 +173,14 @@ def test_attachment_stands_aside_only_while_the_explicit_commit_runs():
     m(x).sum().backward()
     opt.step()
     assert att.steps == 1
+
+
+def test_a_model_collected_at_interpreter_shutdown_is_forgotten_quietly(monkeypatch):
+    """At shutdown Python clears module globals before the last objects die: the weakref callback
+    that drops a collected model's attachment then finds ``context`` gone ("Exception ignored in
+    _Owner._forget: 'NoneType' object has no attribute 'attachments'"). It returns quietly."""
+    import importlib
+
+    step_module = importlib.import_module("paramupdates.step")
+    monkeypatch.setattr(step_module, "context", None)
+    step_module._Owner._forget(None)  # must not raise

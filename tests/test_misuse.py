@@ -403,6 +403,55 @@ def test_reattaching_names_the_first_attachment():
         pu.attach(m, opt)
 
 
+@pytest.mark.parametrize("first", ["outer", "inner"])
+def test_attaching_a_module_inside_an_attached_one_is_refused(first):
+    """Nested attachments would give a tensor of the inner module two commits (ambiguity is an
+    error, rule 5's spirit): refused at attach, naming the module and the other attachment."""
+    m = nn.Sequential(nn.Linear(3, 4), nn.Sequential(nn.Linear(4, 4), pu.nn.BatchNorm1d(4)))
+    o1, o2 = torch.optim.SGD(m[0].parameters(), lr=0.1), torch.optim.SGD(m[1].parameters(), lr=0.1)
+    a, b = (m, m[1]) if first == "outer" else (m[1], m)
+    pu.attach(a, o1)  # MARK: nested first
+    with pytest.raises(pu.UpdateError) as ei:
+        pu.attach(b, o2)
+    msg = str(ei.value)
+    assert "the Sequential at '1' of the Sequential would be attached twice" in msg
+    assert f"pu.attach(Sequential) at tests/test_misuse.py:{_line_of('MARK: nested first')}" in msg
+    assert "pu.attach(model.encoder, opt_enc)" in msg
+    assert len(o2._optimizer_step_pre_hooks) == 0  # nothing of the refused attachment stays
+
+
+def test_two_optimizers_over_disjoint_submodules_equal_plain_pytorch():
+    """What the refusal suggests: one attachment per optimizer, on the submodule it steps. With
+    pu.weight_decay over the whole model and Adam, bitwise two AdamW and torch.nn.BatchNorm1d."""
+
+    def make(bn):
+        torch.manual_seed(0)
+        return nn.ModuleDict(
+            {"enc": nn.Sequential(nn.Linear(3, 4), bn(4)), "dec": nn.Sequential(nn.Linear(4, 2), bn(2))}
+        )
+
+    ref, m = make(nn.BatchNorm1d), make(pu.nn.BatchNorm1d)
+    ref_opts = [
+        torch.optim.AdamW(ref[k].parameters(), lr=lr, weight_decay=0.1) for k, lr in (("enc", 0.1), ("dec", 0.01))
+    ]
+    opts = [torch.optim.Adam(m[k].parameters(), lr=lr) for k, lr in (("enc", 0.1), ("dec", 0.01))]
+    atts = [pu.attach(m["enc"], opts[0]), pu.attach(m["dec"], opts[1])]
+    pu.weight_decay(m, 0.1, exclude=None)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        xs = [torch.randn(8, 3, generator=g) for _ in range(2)]  # two micro-batches
+        for net, os in ((ref, ref_opts), (m, opts)):
+            for o in os:
+                o.zero_grad()
+            for x in xs:
+                net["dec"](net["enc"](x)).square().mean().backward()
+            for o in os:
+                o.step()
+    for a in atts:
+        a.detach()
+    assert_same(snapshot(ref), snapshot(m))
+
+
 # --- row 8: the same rule declared twice ---------------------------------------------------------------
 def _decay_twice_run(redeclare):
     torch.manual_seed(0)

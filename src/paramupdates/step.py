@@ -105,6 +105,8 @@ class _Owner:
     @staticmethod
     def _forget(_ref: Any) -> None:
         """Model or optimizer collected: drop every attachment left without one."""
+        if context is None:  # interpreter shutdown: module globals are cleared, nothing to keep tidy
+            return
         context.attachments[:] = [a for a in context.attachments if a.model is not None and a.optimizer is not None]
 
     def _commit(self, journal: Journal, optimizer: torch.optim.Optimizer | None) -> Commit:
@@ -424,10 +426,28 @@ class Attachment(_Owner):
         self.journal: Journal | None = None  # the step being recorded (or committed)
         self.commit: Commit | None = None  # its commit, between the pre- and post-hook
         for other in context.attachments:
-            if other.model is model:
+            om = other.model
+            if om is model:
                 raise UpdateError(
                     f"pu.attach at {self.origin}: {type(model).__name__} is already attached ({other.label}); "
-                    "call detach() on that attachment first."
+                    "call detach() on that attachment first. (One attachment per model: for two optimizers "
+                    "over one model, attach each to the submodule it steps, e.g. pu.attach(model.encoder, "
+                    "opt_enc) and pu.attach(model.decoder, opt_dec), or give one optimizer param groups.)"
+                )
+            if om is not None and (
+                other.index.module_name(model) is not None or self.index.module_name(om) is not None
+            ):
+                inner, outer, at = (
+                    (model, om, other.index.module_name(model))
+                    if other.index.module_name(model) is not None
+                    else (om, model, self.index.module_name(om))
+                )
+                raise UpdateError(
+                    f"pu.attach at {self.origin}: the {type(inner).__name__} at {at!r} of the "
+                    f"{type(outer).__name__} would be attached twice (here, and by {other.label}): an update "
+                    "of its tensors (a batch norm's statistics, say) would belong to both optimizers' steps. "
+                    "Attach disjoint modules, one per optimizer (pu.attach(model.encoder, opt_enc) and "
+                    "pu.attach(model.decoder, opt_dec)), or detach() the other attachment first."
                 )
         self._pre = optimizer.register_step_pre_hook(self._pre_hook)
         self._post = optimizer.register_step_post_hook(self._post_hook)

@@ -452,6 +452,41 @@ def test_two_optimizers_over_disjoint_submodules_equal_plain_pytorch():
     assert_same(snapshot(ref), snapshot(m))
 
 
+@pytest.mark.parametrize("opener", ["pu.step", "recompute"])
+def test_a_step_over_an_attached_model_with_pending_updates_is_refused(opener):
+    """pu.step (or pu.recompute_batchnorm_stats, a step of its own) on a model whose attachment has
+    updates pending since its last optimizer.step(): its reads would see them, its writes go into
+    them (not into the buffers), and they would commit later on their own. Refused before anything
+    is recorded, naming the attachment and what is pending; after flush() it runs, bitwise
+    torch.optim.swa_utils.update_bn."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 4), pu.nn.BatchNorm1d(4))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    att = pu.attach(m, opt)  # MARK: pending attach
+    x = torch.randn(8, 3)
+    m(x).sum().backward()  # pending: the batch norm's statistics
+    stored = [t.clone() for t in m.state_dict().values()]
+    loader = [torch.randn(8, 3) for _ in range(3)]
+    with pytest.raises(pu.UpdateError) as ei:
+        if opener == "pu.step":
+            with pu.step(m, opt):
+                m(x).sum().backward()
+        else:
+            pu.recompute_batchnorm_stats(m, loader)
+    msg = str(ei.value)
+    assert f"pu.attach(Sequential) at tests/test_misuse.py:{_line_of('MARK: pending attach')}" in msg
+    assert "1.running_mean" in msg and "flush()" in msg and "discard()" in msg
+    assert all(torch.equal(a, b) for a, b in zip(stored, m.state_dict().values()))  # nothing written
+    assert att.journal is not None and att.journal.pending_names()  # the attachment's updates still pending
+    att.flush()
+    if opener == "recompute":
+        pu.recompute_batchnorm_stats(m, loader)
+        plain = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+        plain.load_state_dict(m.state_dict())
+        torch.optim.swa_utils.update_bn(loader, plain)
+        assert_same(snapshot(plain), snapshot(m))
+
+
 # --- row 8: the same rule declared twice ---------------------------------------------------------------
 def _decay_twice_run(redeclare):
     torch.manual_seed(0)

@@ -31,7 +31,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import context, hooks
 from .commit import Commit
-from .errors import UpdateError
+from .errors import UpdateError, listed
 from .journal import Entry, Journal
 from .options import StepOptions, StepOptionsDict, make_options
 from .origin import call_site
@@ -250,6 +250,7 @@ class Stepper(_Owner):
                 f"({other.label}, for {type(other.index.model).__name__}); pu.step blocks do not nest. "
                 "Finish the outer step first, or open one step on a module that contains both models."
             )
+        refuse_pending_attachment(self.model, f"pu.step at {site}")
         j = Journal(self.index, self.optimizer, f"pu.step at {site}", self._reuse())
         self._journal = j
         context.local.explicit.append(j)
@@ -694,6 +695,26 @@ def _as_function_of(method: Any, obj: Any) -> Callable[..., Any]:
     if fn is not method:
         return fn
     return lambda _obj, *args, **kwargs: method(*args, **kwargs)
+
+
+def refuse_pending_attachment(model: nn.Module, what: str) -> None:
+    """Raise :class:`UpdateError` if an attachment of ``model`` (or of a module inside or around it)
+    has updates pending since its last ``optimizer.step()``: a step opened now (``what``) would read
+    them and write into them, and they would commit later on their own."""
+    if not context.attachments:
+        return
+    index = index_of(model)
+    for att in context.attachments:
+        j, other = att.journal, att.model
+        if j is None or other is None or not (j.rows or any(e.value is not None for e in j.entries.values())):
+            continue
+        if other is model or att.index.module_name(model) is not None or index.module_name(other) is not None:
+            raise UpdateError(
+                f"{what} for {type(model).__name__}: {att.label} has updates of it pending since its last "
+                f"optimizer.step() ({listed(j.pending_names())}). Commit them with attachment.flush() (no "
+                "optimizer step) or drop them with attachment.discard() first, or drive this model with one "
+                "of pu.step and pu.attach."
+            )
 
 
 def hookable(optimizer: Any) -> torch.optim.Optimizer:

@@ -10,7 +10,7 @@ from torch import nn
 
 from .. import context
 from ..errors import UpdateError
-from ..step import Stepper
+from ..step import Stepper, refuse_pending_attachment
 from .batchnorm import UpdateSafeBatchNorm
 
 
@@ -35,7 +35,8 @@ def recompute_batchnorm_stats(model: nn.Module, loader: Iterable[Any], device: A
 
     Raises ``TypeError`` if the model still has ``torch.nn`` batch norms
     (convert them with ``pu.convert(model)``) and :class:`~paramupdates.UpdateError`
-    when called inside a step.
+    when called inside a step, or while an attachment of the model has updates pending
+    (``flush()`` or ``discard()`` them first).
     """
     plain = [
         n
@@ -55,6 +56,7 @@ def recompute_batchnorm_stats(model: nn.Module, loader: Iterable[Any], device: A
     bns = [m for m in model.modules() if isinstance(m, UpdateSafeBatchNorm) and m.track_running_stats]
     if not bns:
         return 0
+    refuse_pending_attachment(model, "pu.recompute_batchnorm_stats")
     momenta = {m: m.momentum for m in bns}
     was_training = {m: m.training for m in model.modules()}
     seen = 0

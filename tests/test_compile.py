@@ -201,6 +201,22 @@ def test_batch_norm_gradient_accumulation_compiles_per_position_not_per_step(mod
     assert cc.frame_count == 3
 
 
+@pytest.mark.parametrize("sync_stats", [False, True])
+def test_batch_norm_schedule_equals_eager_origins_included(sync_stats):
+    """The statistics' origin is the line of the batch norm's forward that issues them, in a compiled
+    forward too (a trace-time constant; it showed the line inside _train_with_stats before)."""
+    plans = []
+    for compiled in (False, True):
+        m, opt = _make(lambda: BNNet(lambda n: pu.nn.BatchNorm1d(n, sync_stats=sync_stats)))
+        fwd = torch.compile(m, fullgraph=True, backend="eager") if compiled else m
+        with pu.step(m, opt) as s:
+            fwd(torch.randn(4, 3)).square().mean().backward()
+        plans.append(list(s.schedule()))
+    assert plans[0] == plans[1]
+    origins = {r.origin for r in plans[1] if r.phase == "auxiliary"}
+    assert len(origins) == 1 and next(iter(origins)).split(":")[0].endswith("paramupdates/nn/batchnorm.py")
+
+
 def test_explain_reports_no_graph_break():
     m, opt = _make()
     with pu.step(m, opt):

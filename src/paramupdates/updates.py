@@ -110,7 +110,7 @@ def issue_computed(
     updates: list[tuple[torch.Tensor, str, Any, torch.Tensor]],
     sync: str | None = None,
     depth: int = 3,
-    origin: Origin | None = None,
+    origin: Origin | str | None = None,
 ) -> None:
     """Issue auxiliary updates whose new values the caller computed (``pu.nn``'s statistics).
 
@@ -118,13 +118,14 @@ def issue_computed(
     caller read (the pending one, read-your-writes); ``op`` and ``operand`` are what the schedule
     shows and what the commit folds if the target has other updates in the step. The call site,
     the condition and the journal are looked up once for all of them (``origin``: the call site,
-    when the caller knows it: a ``pu.nn`` module's fixed line). The values are trusted:
-    made by the caller for these updates alone, of the targets' shape, dtype and device.
+    when the caller knows it: a ``pu.nn`` module's fixed line, as an :class:`Origin` or, while
+    dynamo traces, as a trace-time constant string). The values are trusted: made by the caller for
+    these updates alone, of the targets' shape, dtype and device.
     """
     if _local.conditions[-1] is False or not updates:
         return
     compiling = torch.compiler.is_compiling()
-    if origin is None or compiling:
+    if origin is None:
         origin = capture(depth, compiling)
     if sync is None:
         j = journal_for(updates[0][0], compiling)

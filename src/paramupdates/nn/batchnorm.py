@@ -38,6 +38,7 @@ batch statistics).
 
 from __future__ import annotations
 
+import dis
 from typing import Any
 
 import torch
@@ -45,7 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import context, hooks
-from ..origin import Origin, capture
+from ..origin import Origin
 from ..updates import assign, issue_computed
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "UpdateSafeBatchNorm"]
@@ -77,19 +78,35 @@ def _under_functorch() -> bool:
 _SITE: list[Origin] = []
 
 
-def _forward_site() -> Origin | None:
-    """The line of :meth:`UpdateSafeBatchNorm.forward` that issues the statistics, the call site
-    they show (what :func:`capture` finds there), captured once: one line, one site. ``None`` while
-    dynamo traces (the tracing support names the site then)."""
+def _forward_line() -> Origin:
+    """The line of :meth:`UpdateSafeBatchNorm.forward` that issues the statistics (its call of
+    ``_train_with_stats``), found in the bytecode once: no source file needed."""
+    if not _SITE:
+        code = UpdateSafeBatchNorm.forward.__code__
+        line = code.co_firstlineno
+        for ins in dis.get_instructions(code):
+            if ins.argval == "_train_with_stats" and ins.positions is not None and ins.positions.lineno:
+                line = ins.positions.lineno
+                break
+        _SITE.append(Origin(code.co_filename, line))
+    return _SITE[0]
+
+
+def _forward_site_text() -> str:
+    """``str(_forward_line())``, what dynamo takes as a trace-time constant (no guard, no frame
+    walk): a compiled forward shows the same origin as an eager one."""
+    return str(_forward_line())
+
+
+_forward_site_text._dynamo_marked_constant = True  # type: ignore[attr-defined]  # (as integrations.compile marks)
+
+
+def _forward_site() -> Origin | str:
+    """The call site the statistics show: the line of forward that issues them (one line, one site),
+    the same in eager and compiled forwards."""
     if torch.compiler.is_compiling():
-        return None
-    if _SITE:
-        return _SITE[0]
-    site = capture(2)
-    if isinstance(site, Origin):
-        _SITE.append(site)
-        return site
-    return None
+        return _forward_site_text()
+    return _forward_line()
 
 
 class UpdateSafeBatchNorm:
@@ -133,7 +150,7 @@ class UpdateSafeBatchNorm:
     def _sync(self) -> str | None:
         return "mean" if self.sync_stats else None
 
-    def _train_with_stats(self, input: Tensor, origin: Origin | None = None) -> Tensor:
+    def _train_with_stats(self, input: Tensor, origin: Origin | str | None = None) -> Tensor:
         """Normalize with the batch statistics and issue the three running-statistics updates
         (``origin``: the call site they show, if the caller knows it; else the caller's line)."""
         rm, rv, nbt = self.running_mean, self.running_var, self.num_batches_tracked  # pending values (rule 1)

@@ -39,47 +39,28 @@ if __package__ in (None, ""):  # python benchmarks/compiled_split.py
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import paramupdates as pu
+from benchmarks import timing
 from benchmarks.launch_bound import build, data
+from benchmarks.step_overhead import Parts, eager_step, pu_step
 
 PARTS = ("forward", "backward", "step / commit")
 
 
 def _variants(backend: str) -> dict:
-    """``{name: (step function, its samples, the model, its input, where its guards hold)}``."""
+    """``{name: (step function, its parts, the model, its input, where its guards hold)}``."""
     cpu = torch.device("cpu")
     x, y = data(cpu)
     m_t, o_t = build(nn.BatchNorm1d, cpu)
     m_p, o_p = build(pu.nn.BatchNorm1d, cpu)
     c_t = torch.compile(m_t, backend=backend, fullgraph=True)
     c_p = torch.compile(m_p, backend=backend, fullgraph=True)
-    stepper = pu.Stepper(m_p, o_p)
-    clock = time.process_time
-    samples: dict[str, list[tuple[float, float, float]]] = {"torch": [], "pu.step": []}
-
-    def plain() -> None:
-        t0 = clock()
-        o_t.zero_grad(set_to_none=True)
-        loss = F.mse_loss(c_t(x), y)
-        t1 = clock()
-        loss.backward()
-        t2 = clock()
-        o_t.step()
-        samples["torch"].append((t1 - t0, t2 - t1, clock() - t2))
-
-    def stepped() -> None:
-        t0 = clock()
-        stepper.__enter__()
-        o_p.zero_grad(set_to_none=True)
-        loss = F.mse_loss(c_p(x), y)
-        t1 = clock()
-        loss.backward()
-        t2 = clock()
-        stepper.__exit__(None, None, None)
-        samples["pu.step"].append((t1 - t0, t2 - t1, clock() - t2))
-
+    p_t, p_p = Parts(), Parts()
+    plain = eager_step(c_t, o_t, x, y, p_t, F.mse_loss)
+    stepped = pu_step(m_p, o_p, x, y, p_p, F.mse_loss, forward=c_p)
+    inside = pu.Stepper(m_p, o_p)  # (the guards of pu's graph hold inside a step)
     return {
-        "torch": (plain, samples["torch"], m_t, x, contextlib.nullcontext()),
-        "pu.step": (stepped, samples["pu.step"], m_p, x, stepper),  # (its guards hold inside a step)
+        "torch": (plain, p_t.samples, m_t, x, contextlib.nullcontext()),
+        "pu.step": (stepped, p_p.samples, m_p, x, inside),
     }
 
 
@@ -112,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--backend", default="inductor")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    timing.use_wall_clock(False)  # process CPU time
     variants = _variants(args.backend)
     for fn, samples, *_ in variants.values():  # compile, then forget the first steps
         for _ in range(3):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -56,14 +57,21 @@ def _no_clock() -> float:
 
 
 def eager_step(
-    model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, parts: Parts | None = None
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    parts: Parts | None = None,
+    loss_fn: Callable[..., torch.Tensor] = F.cross_entropy,
 ) -> Callable[[], None]:
+    """The hand-written step ``zero_grad; loss_fn(model(x), y).backward(); opt.step()`` (``parts``: its
+    forward, backward and optimizer step timed)."""
     clock = now if parts is not None else _no_clock
 
     def run() -> None:
         t0 = clock()
         opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x), y)
+        loss = loss_fn(model(x), y)
         t1 = clock()
         loss.backward()
         t2 = clock()
@@ -74,15 +82,27 @@ def eager_step(
     return run
 
 
-def pu_step(model: nn.Module, opt: torch.optim.Optimizer, x, y, parts: Parts | None = None, **kw) -> Callable[[], None]:
+def pu_step(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    parts: Parts | None = None,
+    loss_fn: Callable[..., torch.Tensor] = F.cross_entropy,
+    forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    **kw: Any,
+) -> Callable[[], None]:
+    """The same step in a ``pu.Stepper`` (``forward``: the model's compiled forward, if any; ``parts``:
+    the commit timed in place of ``opt.step()``, opening the step with the forward)."""
     stepper = pu.Stepper(model, opt, **kw)
+    fwd = model if forward is None else forward
     clock = now if parts is not None else _no_clock
 
     def run() -> None:
         t0 = clock()
         with stepper:
             opt.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(x), y)
+            loss = loss_fn(fwd(x), y)
             t1 = clock()
             loss.backward()
             t2 = clock()

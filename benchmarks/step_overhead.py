@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim import Optimizer
 
 import paramupdates as pu
 
@@ -56,14 +57,10 @@ def _no_clock() -> float:
     return 0.0  # no parts collected: no clock reading inside the step
 
 
-def eager_step(
-    model: nn.Module,
-    opt: torch.optim.Optimizer,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    parts: Parts | None = None,
-    loss_fn: Callable[..., torch.Tensor] = F.cross_entropy,
-) -> Callable[[], None]:
+Loss = Callable[..., torch.Tensor]
+
+
+def eager_step(model: nn.Module, opt: Optimizer, x, y, parts: Parts | None = None, loss_fn: Loss = F.cross_entropy):
     """The hand-written step ``zero_grad; loss_fn(model(x), y).backward(); opt.step()`` (``parts``: its
     forward, backward and optimizer step timed)."""
     clock = now if parts is not None else _no_clock
@@ -83,19 +80,14 @@ def eager_step(
 
 
 def pu_step(
-    model: nn.Module,
-    opt: torch.optim.Optimizer,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    parts: Parts | None = None,
-    loss_fn: Callable[..., torch.Tensor] = F.cross_entropy,
-    forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    **kw: Any,
+    model: nn.Module, opt: Optimizer, x, y, parts: Parts | None = None, loss_fn: Loss = F.cross_entropy, **kw: Any
 ) -> Callable[[], None]:
     """The same step in a ``pu.Stepper`` (``forward``: the model's compiled forward, if any; ``parts``:
-    the commit timed in place of ``opt.step()``, opening the step with the forward)."""
+    the commit timed in place of ``opt.step()``, opening the step with the forward; ``**kw``: the
+    stepper's options)."""
+    fwd = kw.pop("forward", None)
+    fwd = model if fwd is None else fwd
     stepper = pu.Stepper(model, opt, **kw)
-    fwd = model if forward is None else forward
     clock = now if parts is not None else _no_clock
 
     def run() -> None:

@@ -435,14 +435,9 @@ class Attachment(_Owner):
                     "over one model, attach each to the submodule it steps, e.g. pu.attach(model.encoder, "
                     "opt_enc) and pu.attach(model.decoder, opt_dec), or give one optimizer param groups.)"
                 )
-            if om is not None and (
-                other.index.module_name(model) is not None or self.index.module_name(om) is not None
-            ):
-                inner, outer, at = (
-                    (model, om, other.index.module_name(model))
-                    if other.index.module_name(model) is not None
-                    else (om, model, self.index.module_name(om))
-                )
+            nested = _nesting(model, self.index, other)
+            if nested is not None:
+                inner, outer, at = nested
                 raise UpdateError(
                     f"pu.attach at {self.origin}: the {type(inner).__name__} at {at!r} of the "
                     f"{type(outer).__name__} would be attached twice (here, and by {other.label}): an update "
@@ -697,6 +692,19 @@ def _as_function_of(method: Any, obj: Any) -> Callable[..., Any]:
     return lambda _obj, *args, **kwargs: method(*args, **kwargs)
 
 
+def _nesting(model: nn.Module, index: ModelIndex, att: Attachment) -> tuple[nn.Module, nn.Module, str] | None:
+    """``(inner, outer, the inner's name in the outer)`` when ``model`` (indexed by ``index``) lies
+    inside the model of attachment ``att`` or around it; else None (disjoint, same, or collected)."""
+    other = att.model
+    if other is None or other is model:
+        return None
+    at = att.index.module_name(model)
+    if at is not None:
+        return model, other, at
+    at = index.module_name(other)
+    return (other, model, at) if at is not None else None
+
+
 def refuse_pending_attachment(model: nn.Module, what: str) -> None:
     """Raise :class:`UpdateError` if an attachment of ``model`` (or of a module inside or around it)
     has updates pending since its last ``optimizer.step()``: a step opened now (``what``) would read
@@ -705,10 +713,10 @@ def refuse_pending_attachment(model: nn.Module, what: str) -> None:
         return
     index = index_of(model)
     for att in context.attachments:
-        j, other = att.journal, att.model
-        if j is None or other is None or not (j.rows or any(e.value is not None for e in j.entries.values())):
+        j = att.journal
+        if j is None or not (j.rows or any(e.value is not None for e in j.entries.values())):
             continue
-        if other is model or att.index.module_name(model) is not None or index.module_name(other) is not None:
+        if att.model is model or _nesting(model, index, att) is not None:
             raise UpdateError(
                 f"{what} for {type(model).__name__}: {att.label} has updates of it pending since its last "
                 f"optimizer.step() ({listed(j.pending_names())}). Commit them with attachment.flush() (no "

@@ -43,6 +43,8 @@ from .origin import call_site
 
 def open_journals() -> list[Any]:
     """Every step in progress, of every thread, and every attachment's open step."""
+    if not (context.steps or context.attachments):
+        return []  # (the common case outside training: no list built)
     out = list(context.steps)
     out.extend(a.journal for a in context.attachments if a.journal is not None)
     return out
@@ -61,7 +63,7 @@ def stored_of(v: torch.Tensor, journals: list[Any] | None = None) -> tuple[torch
 def committed_state(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
     """``state_dict`` post-hook: a buffer slot or ``pu.Parameter`` that shows a pending value is saved
     with its stored value (pending values are seen by reads, never by serialization)."""
-    journals = open_journals() if (context.steps or context.attachments) else []
+    journals = open_journals()
     if journals:
         buffers = module._buffers
         for attr, v in buffers.items():

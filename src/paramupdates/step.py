@@ -713,13 +713,11 @@ def refuse_pending_attachment(model: nn.Module, what: str) -> None:
         return
     index = index_of(model)
     for att in context.attachments:
-        j = att.journal
-        if j is None or not (j.rows or any(e.value is not None for e in j.entries.values())):
-            continue
-        if att.model is model or _nesting(model, index, att) is not None:
+        pending = att.journal.pending_names() if att.journal is not None else []
+        if pending and (att.model is model or _nesting(model, index, att) is not None):
             raise UpdateError(
                 f"{what} for {type(model).__name__}: {att.label} has updates of it pending since its last "
-                f"optimizer.step() ({listed(j.pending_names())}). Commit them with attachment.flush() (no "
+                f"optimizer.step() ({listed(pending)}). Commit them with attachment.flush() (no "
                 "optimizer step) or drop them with attachment.discard() first, or drive this model with one "
                 "of pu.step and pu.attach."
             )

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import context, guards, hooks, overlay, sharding
+from . import guards, hooks, overlay, sharding
 
 
 @dataclass(eq=False)
@@ -62,7 +62,7 @@ class ModelIndex:
         model = self.model
         by_id: dict[int, TargetInfo] = {}
         modules: dict[int, tuple[weakref.ref, str]] = {}
-        journals = guards.open_journals() if (context.steps or context.attachments) else []
+        journals = guards.open_journals()
         has_meta = False
         if model is not None:
             visitors = list(hooks.module_visitors.values())

@@ -116,3 +116,39 @@ def test_torch_batchnorm_under_vmap_raises():
     params, buffers = _state(net)
     with pytest.raises(RuntimeError):
         vmap(lambda x: functional_call(net, {**params, **buffers}, (x,)))(torch.randn(4, 8, 3))
+
+
+def test_torch_func_functional_call_with_buffers_inside_a_step_names_pu_func():
+    """``torch.func.functional_call`` with the buffers passed in, inside a step of the model: the
+    batch norm's updates target the tensors passed in, which the step does not own. Refused at the
+    update's call site, naming ``pu.func.functional_call`` (which returns them as values); the step
+    is discarded, nothing written."""
+    net = pu.convert(_net(nn.BatchNorm1d))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    params, buffers = dict(net.named_parameters()), _state(net)[1]
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    with pytest.raises(pu.UpdateError, match=r"pu\.func\.functional_call") as e:
+        with pu.step(net, opt):
+            functional_call(net, {**params, **buffers}, (torch.randn(8, 3),)).sum().backward()
+    assert "'1.num_batches_tracked'" in str(e.value) and "test_func.py" in str(e.value)  # the target, the step
+    for k, v in net.state_dict().items():
+        assert torch.equal(bits(v), bits(before[k])), k
+    # the advice works: the updates come back as values and commit with the step
+    with pu.step(net, opt):
+        out, new = pu.func.functional_call(net, {**params, **buffers}, (torch.randn(8, 3),))
+        pu.func.commit(net, new)
+        out.sum().backward()
+    assert int(net[1].num_batches_tracked) == 1
+
+
+def test_torch_func_functional_call_with_parameters_only_inside_a_step():
+    """Parameters passed in, the module's own buffers: the statistics are the model's, and commit with
+    the step as plain torch updates them."""
+    net, ref = pu.convert(_net(nn.BatchNorm1d)), _net(nn.BatchNorm1d)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x = torch.randn(8, 3)
+    with pu.step(net, opt):
+        functional_call(net, {k: v * 1 for k, v in net.named_parameters()}, (x,)).sum().backward()
+    functional_call(ref, _state(ref)[0], (x,))
+    for k, v in ref.named_buffers():
+        assert torch.equal(bits(dict(net.named_buffers())[k]), bits(v)), k

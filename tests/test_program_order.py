@@ -36,9 +36,8 @@ def test_python_loop_sees_previous_iteration():
     with pu.step(m):
         seen = m()
         assert [float(s[0]) for s in seen] == [2.0, 4.0, 8.0]
-        assert torch.equal(
-            m.p.data, torch.ones(3)
-        )  # storage untouched: deferred commit (rule 2) (.data is the storage)
+        with torch._C.DisableTorchFunctionSubclass():  # the storage, not the value a use sees
+            assert torch.equal(m.p.detach(), torch.ones(3))  # untouched: deferred commit (rule 2)
     assert torch.equal(m.p.detach(), torch.full((3,), 8.0))
 
 
@@ -113,3 +112,34 @@ def test_gradient_reaches_trainable_parameter_through_update():
         assert torch.equal(p.grad, 3 * x)
     # before_grad: p = 3p; then SGD: p -= 0.5 * grad
     assert torch.equal(p.detach(), torch.tensor([3.0, 6.0]) - 0.5 * 3 * x)
+
+
+def test_every_use_of_a_pu_parameter_sees_its_pending_value():
+    """Rule 1 says every use: the legacy spellings too (``p.data``, ``copy.copy(p)``), not only ops."""
+    import copy
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p = pu.Parameter(torch.ones(3), auxiliary=True)
+
+    m = M()
+    with pu.step(m):
+        pu.assign(m.p, torch.tensor([1.0, 2.0, 3.0]))
+        seen = {
+            "op": m.p * 1,
+            "clone": m.p.clone(),
+            "detach": m.p.detach(),
+            "index": m.p[0:3],
+            "data": m.p.data,
+            "data.clone": m.p.data.clone(),
+            "copy.copy": copy.copy(m.p),
+        }
+        assert m.p.tolist() == [1.0, 2.0, 3.0]
+        assert float(m.p.data.norm()) == float(torch.tensor([1.0, 2.0, 3.0]).norm())
+        for how, v in seen.items():
+            with torch._C.DisableTorchFunctionSubclass():
+                assert v.tolist() == [1.0, 2.0, 3.0], how
+        assert isinstance(seen["copy.copy"], pu.Parameter)
+    assert m.p.tolist() == [1.0, 2.0, 3.0]
+    assert m.p.data.tolist() == [1.0, 2.0, 3.0]

@@ -42,7 +42,6 @@ from __future__ import annotations
 import itertools
 import math
 import operator
-import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -598,6 +597,10 @@ no copy (``torch._foreach_norm(inf)``)."""
 
 def _group_finite(ts: list[torch.Tensor]) -> torch.Tensor:
     """A 0-dim bool: every element of ``ts`` (one device and dtype) is finite."""
+    if not all(map(torch.Tensor.numel, ts)):
+        ts = [t for t in ts if t.numel()]  # an empty tensor has nothing to check (and _chunk_cat refuses it)
+        if not ts:
+            return torch.ones((), dtype=torch.bool)
     if sum(map(torch.Tensor.numel, ts)) <= CAT_NUMEL:
         if all(map((1).__eq__, map(torch.Tensor.dim, ts))):
             # 1-D values (statistics): the fastest concatenation (every one 1-D: checked, not caught,
@@ -650,21 +653,11 @@ def _grads_finite(grads: list[torch.Tensor], sharded: bool) -> list[torch.Tensor
     return out
 
 
-_PARAMS: weakref.WeakKeyDictionary[Any, tuple[tuple, list[torch.Tensor]]] = weakref.WeakKeyDictionary()
-"""Per optimizer: its parameters, flat, and the shape of its param groups they were read from."""
-
-
 def _grads(optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The parameters of ``optimizer`` that have a gradient, and those gradients: what
-    ``optimizer.step()`` will use."""
-    groups = optimizer.param_groups
-    key = tuple([(id(g["params"]), len(g["params"])) for g in groups])
-    hit = _PARAMS.get(optimizer)
-    if hit is not None and hit[0] == key:
-        params = hit[1]
-    else:
-        params = [p for g in groups for p in g["params"]]
-        _PARAMS[optimizer] = (key, params)
+    ``optimizer.step()`` will use (its param groups as they are now: read at each commit, since a
+    group's list can be edited in place)."""
+    params = list(itertools.chain.from_iterable([g["params"] for g in optimizer.param_groups]))
     grads = list(map(_grad_of, params))
     if any(map(operator.is_, grads, itertools.repeat(None))):
         kept = [(p, g) for p, g in zip(params, grads) if g is not None]

@@ -57,7 +57,7 @@ def functional_call(
     or buffer an update was issued on (see the module docstring). Updates of
     trainable parameters need a phase (ambiguity is an error, rule 5), as in a step.
     """
-    j = Journal(ModelIndex(module), None, "pu.func.functional_call")
+    j = Journal(ModelIndex(module, reparametrized=True), None, "pu.func.functional_call")
     j.watch = False  # torch.func swaps the module's tensors itself
     context.local.explicit.append(j)
     context.steps.append(j)

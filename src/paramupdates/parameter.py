@@ -18,12 +18,12 @@ from .updates import issue
 
 _empty_like = torch.empty_like
 
-# Attributes that describe the parameter object itself, never its value.
+# Attributes that describe the parameter object itself, never its value. (``data`` is the value:
+# ``p.data.clone()`` and ``p.data.norm()`` in legacy code read the pending value, as every use does.)
 _STATE_ATTRS = frozenset(
     {
         "grad",
         "_grad",
-        "data",
         "requires_grad",
         "is_leaf",
         "grad_fn",
@@ -195,6 +195,14 @@ class Parameter(torch.nn.Parameter):
         out = Parameter(data, trainable=self.requires_grad, auxiliary=self.auxiliary, weight_decay=self.weight_decay)
         memo[id(self)] = out
         return out
+
+    def __copy__(self) -> Parameter:
+        """``copy.copy(p)``: a parameter sharing the storage of the value ``p`` shows (its pending value
+        inside a step, read-your-writes, rule 1), as ``copy.copy`` of a ``torch.nn.Parameter`` shares its
+        storage. (``copy.deepcopy`` and pickling save the stored value: serialization sees stored values.)"""
+        with torch._C.DisableTorchFunctionSubclass():
+            data = _sub(self).detach()
+        return Parameter(data, trainable=self.requires_grad, auxiliary=self.auxiliary, weight_decay=self.weight_decay)
 
     def __reduce_ex__(self, proto: int) -> Any:
         with torch._C.DisableTorchFunctionSubclass():

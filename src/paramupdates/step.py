@@ -487,7 +487,10 @@ class Attachment(_Owner):
         try:
             return orig(opt, *args, **kwargs)
         except BaseException as exc:
-            if self.commit is not None:
+            # Every way out of optimizer.step() ends the step: an exception of the optimizer or of
+            # the commit (a commit is running), or of a step pre-hook that ran before ours (no
+            # commit began: the pending updates are dropped all the same).
+            if self.commit is not None or (self.journal is not None and self._calls == 1):
                 self._abort(exc)
             raise
         finally:

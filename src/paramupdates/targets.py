@@ -8,6 +8,7 @@ module was added, a buffer was replaced).
 
 from __future__ import annotations
 
+import sys
 import weakref
 from dataclasses import dataclass
 
@@ -43,10 +44,13 @@ class TargetInfo:
 class ModelIndex:
     """Identity map from the tensors of ``model`` to :class:`TargetInfo`."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, reparametrized: bool = False) -> None:
         self._model_ref = weakref.ref(model)
         self.by_id: dict[int, TargetInfo] = {}
         self.generation = 0
+        # ``reparametrized``: index what the slots hold inside ``torch.func.functional_call`` (the
+        # tensors passed in; ``pu.func``'s own index). A model's index keeps its stored tensors then.
+        self.reparametrized = reparametrized
         self.build()
 
     @property
@@ -60,6 +64,8 @@ class ModelIndex:
         a pending value (read-your-writes, rule 1): the stored tensor behind it is indexed, never
         the pending value (whose updates would then be committed into it, not into the buffer)."""
         model = self.model
+        if not self.reparametrized and self.by_id and reparametrizing():
+            return  # the slots hold the tensors passed to torch.func.functional_call, not the model's
         by_id: dict[int, TargetInfo] = {}
         modules: dict[int, tuple[weakref.ref, str]] = {}
         journals = guards.open_journals()
@@ -143,6 +149,22 @@ class ModelIndex:
         return info if info is not None and info.ref() is t else None
 
 
+_FUNCTIONAL_CALL = torch.nn.utils.stateless._functional_call.__code__
+
+
+def reparametrizing(depth: int = 64) -> bool:
+    """Whether ``torch.func.functional_call`` (``torch.nn.utils.stateless``) is on the stack: the
+    module slots then hold the tensors passed to it in place of the model's own."""
+    f = sys._getframe(1)
+    for _ in range(depth):
+        if f is None:
+            return False
+        if f.f_code is _FUNCTIONAL_CALL:
+            return True
+        f = f.f_back
+    return False
+
+
 _INDEXES: weakref.WeakKeyDictionary[nn.Module, ModelIndex] = weakref.WeakKeyDictionary()
 
 
@@ -171,6 +193,17 @@ def _keep_type(t: nn.Parameter, name: str, before: dict[int, TargetInfo]) -> Non
         cls, auxiliary, weight_decay = kept
         t.__class__ = cls
         t.auxiliary, t.weight_decay = auxiliary, weight_decay
+
+
+def slot_name(model: nn.Module | None, t: torch.Tensor) -> str | None:
+    """The qualified name of the module slot of ``model`` that holds ``t`` now (for messages only:
+    it walks the module tree)."""
+    for mod_name, mod in model.named_modules() if model is not None else ():
+        for table in (mod._parameters, mod._buffers):
+            for attr, v in table.items():
+                if v is t:
+                    return f"{mod_name}.{attr}" if mod_name else attr
+    return None
 
 
 def describe(t: torch.Tensor) -> str:

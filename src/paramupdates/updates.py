@@ -31,7 +31,7 @@ from .journal import Entry, Journal
 from .ops import apply_inplace, check_operand
 from .origin import Origin, capture
 from .replay import live_journals
-from .targets import describe, owner_anywhere
+from .targets import describe, owner_anywhere, reparametrizing, slot_name
 
 _local = context.local  # this thread's steps and conditions (one attribute look-up less per update)
 
@@ -214,6 +214,16 @@ def route(
                 f"step in progress is for a {mine}, so this update would have no commit. Open the step "
                 f"on a module that contains both (e.g. nn.ModuleDict({{'a': a, 'b': b}})), or issue the "
                 "update outside the step."
+            )
+        if reparametrizing():
+            name = slot_name(j.index.model, t) or describe(t)
+            raise UpdateError(
+                f"pu.{op} on {name!r} at {origin}, inside torch.func.functional_call in {j.label} (for {mine}): "
+                "the tensor it updates was passed to functional_call, so it is not a parameter or "
+                "buffer the step owns, and its update would have no commit. Use pu.func.functional_call(model, "
+                "params_and_buffers, args), which returns the updates as values ({name: new value}), then "
+                "pu.func.commit(model, updates) to commit them with this step; or pass only parameters (the "
+                "model's buffers then take the updates); or call torch.func.functional_call outside the step."
             )
         computed = (
             " It is a computed tensor (it has a grad_fn), e.g. the output of a parametrization "

@@ -76,7 +76,8 @@ class Lit(L.LightningModule):
         self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
 
 
-def _fit(model, callbacks=(), *, ckpt_path=None, **kwargs):
+def _fit(model, callbacks=(), *, ckpt_path=None, val=None, **kwargs):
+    """One ``trainer.fit`` on CPU (``val``: a validation DataLoader)."""
     kw = dict(
         accelerator="cpu",
         devices=1,
@@ -92,7 +93,7 @@ def _fit(model, callbacks=(), *, ckpt_path=None, **kwargs):
         warnings.filterwarnings("ignore", ".*does not have many workers.*")
         warnings.filterwarnings("ignore", ".*GPU available.*")
         trainer = L.Trainer(callbacks=list(callbacks), **kw)
-        trainer.fit(model, _data(), ckpt_path=ckpt_path)
+        trainer.fit(model, _data(), val, ckpt_path=ckpt_path)
     return trainer
 
 
@@ -284,3 +285,205 @@ def test_attach_unwraps_the_lightning_optimizer():
     assert_same(_state(ref), _state(ours))
     assert ours.att.steps == 6
     assert ours.att.optimizer is trainer.optimizers[0]
+
+
+# --- issue 24, item 2: what is pending between steps commits where plain Lightning has it written -------
+class GANWithNorms(L.LightningModule):
+    """A GAN whose generator and discriminator both have a batch norm (manual optimization, two
+    optimizers). The discriminator's forward inside the generator's step issues statistics that no
+    discriminator step follows in that batch: they stay pending on the ``dis`` attachment.
+    ``convert=False``: torch's BatchNorm1d and plain Lightning, the reference."""
+
+    def __init__(self, convert=True):
+        super().__init__()
+        torch.manual_seed(0)
+        self.gen = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+        self.dis = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 1))
+        if convert:
+            pu.convert(self)
+        self.automatic_optimization = False
+        self.val_out = []
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        opt_g, opt_d = self.optimizers()
+        loss_d = self.dis(self.gen(x).detach()).mean() - self.dis(x).mean()
+        opt_d.zero_grad()
+        self.manual_backward(loss_d)
+        opt_d.step()
+        loss_g = -self.dis(self.gen(x)).mean()  # the discriminator's statistics: pending until committed
+        opt_g.zero_grad()
+        self.manual_backward(loss_g)
+        opt_g.step()
+
+    def validation_step(self, batch, batch_idx):
+        x, _ = batch
+        self.val_out.append(self.dis(self.gen(x)).detach().clone())  # eval mode: reads the statistics
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.gen.parameters(), lr=0.05), torch.optim.Adam(self.dis.parameters(), lr=0.05)
+
+
+def _gan_state(model, trainer):
+    """Every tensor: weights, statistics, and each optimizer's state (Adam's moments and step)."""
+    out = snapshot(model)
+    for i, opt in enumerate(trainer.optimizers):
+        for j, st in opt.state_dict()["state"].items():
+            out.extend((f"opt{i}.{j}.{k}", v.clone()) for k, v in st.items())
+    return out
+
+
+@pytest.mark.parametrize("val", [None, 3, 1.0], ids=["no-val", "val-every-3-batches", "val-per-epoch"])
+def test_gan_with_batch_norms_in_both_equals_plain_lightning(val):
+    """Before: the discriminator's statistics of the last generator step stayed pending and were dropped
+    at teardown (num_batches_tracked 17 vs plain's 18 after 6 batches, running_var 0.058 off)."""
+    kw = {} if val is None else dict(val_check_interval=val, limit_val_batches=2)
+    val_data = None if val is None else _data(8, seed=5)
+    ref = GANWithNorms(convert=False)
+    ref_trainer = _fit(ref, [], val=val_data, **kw)
+    ours = GANWithNorms()
+    cb = ParamUpdates(modules=["gen", "dis"])
+    trainer = _fit(ours, [cb], val=val_data, **kw)
+    assert type(ours.dis[1]) is pu.nn.BatchNorm1d
+    assert_same(_gan_state(ref, ref_trainer), _gan_state(ours, trainer))
+    assert len(ours.val_out) == len(ref.val_out) == {None: 0, 3: 4, 1.0: 2}[val]
+    for a, b in zip(ref.val_out, ours.val_out):  # validation saw the statistics plain Lightning has
+        assert torch.equal(bits(a), bits(b))
+    assert not pu.context.attachments
+
+
+@pytest.mark.parametrize("val", [False, True], ids=["saved-at-train-epoch-end", "saved-at-validation-end"])
+def test_gan_checkpoint_and_resume_equal_plain_lightning(tmp_path, val):
+    """The epoch-end checkpoint holds what plain Lightning's holds, and ``ckpt_path=`` resume is bitwise
+    plain Lightning's uninterrupted run. Before: the checkpoint lacked the last discriminator statistics
+    (num_batches_tracked 17 vs 18) and the resumed run ended one short (35 vs 36)."""
+    val_data = _data(8, seed=5) if val else None
+    kw = dict(limit_val_batches=2) if val else {}
+
+    def ckpt(d):
+        return L.callbacks.ModelCheckpoint(dirpath=d, save_top_k=-1, every_n_epochs=1)
+
+    full = GANWithNorms(convert=False)  # plain Lightning, two epochs straight
+    full_trainer = _fit(full, [], val=val_data, max_epochs=2, **kw)
+    plain_first = GANWithNorms(convert=False)
+    _fit(plain_first, [ckpt(tmp_path / "plain")], val=val_data, enable_checkpointing=True, **kw)
+    first = GANWithNorms()
+    _fit(
+        first,
+        [ParamUpdates(modules=["gen", "dis"]), ckpt(tmp_path / "pu")],
+        val=val_data,
+        enable_checkpointing=True,
+        **kw,
+    )
+    plain_ckpt = torch.load(next((tmp_path / "plain").glob("epoch=0*.ckpt")))
+    path = next((tmp_path / "pu").glob("epoch=0*.ckpt"))
+    ours_ckpt = torch.load(path)
+    assert_same(list(plain_ckpt["state_dict"].items()), list(ours_ckpt["state_dict"].items()))
+    torch.manual_seed(99)
+    resumed = GANWithNorms()
+    with torch.no_grad():
+        for p in resumed.parameters():
+            p.add_(1.0)  # everything must come from the checkpoint
+    trainer = _fit(
+        resumed, [ParamUpdates(modules=["gen", "dis"])], val=val_data, max_epochs=2, ckpt_path=str(path), **kw
+    )
+    assert int(resumed.dis[1].num_batches_tracked) == int(full.dis[1].num_batches_tracked) == 36
+    assert_same(_gan_state(full, full_trainer), _gan_state(resumed, trainer))
+
+
+class LitVal(Lit):
+    """``Lit`` with a validation loop whose outputs are kept (eval mode: they read the statistics)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.val_out = []
+
+    def validation_step(self, batch, batch_idx):
+        x, _ = batch
+        self.val_out.append(self.net(x).detach().clone())
+
+
+@pytest.mark.parametrize("accumulate", [2, 4])
+def test_validation_inside_an_accumulation_window_commits_nothing(accumulate):
+    """``val_check_interval=3`` runs validation inside an accumulation window: it reads the window's
+    pending statistics (plain Lightning has them written), and nothing is committed there (they belong
+    to the window's ``optimizer.step()``): one commit per optimizer step, every tensor as plain's."""
+    val_data = _data(8, seed=5)
+    kw = dict(accumulate_grad_batches=accumulate, val_check_interval=3, limit_val_batches=2)
+    ref = LitVal(opt="sgd")
+    _fit(ref, [], val=val_data, **kw)
+    ours = LitVal(opt="sgd", convert=True)
+    cb = ParamUpdates()
+    trainer = _fit(ours, [cb], val=val_data, **kw)
+    assert_same(_state(ref), _state(ours))
+    assert len(ours.val_out) == len(ref.val_out) == 4
+    for a, b in zip(ref.val_out, ours.val_out):
+        assert torch.equal(bits(a), bits(b))
+    assert cb.attachments[0].steps == trainer.global_step == -(-6 // accumulate)
+
+
+class _SaveAtBatch(L.Callback):
+    """Saves a checkpoint at the end of batch ``at``: listed before ``ParamUpdates``, it runs first."""
+
+    def __init__(self, path, at=2):
+        self.path, self.at = path, at
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == self.at:
+            trainer.save_checkpoint(self.path)
+
+
+def test_a_checkpoint_saved_before_the_callbacks_hook_holds_what_plain_lightning_holds(tmp_path):
+    """Lightning takes the module's state_dict before any callback's on_save_checkpoint: a save by a
+    callback listed before ParamUpdates (here at a batch end, the discriminator's statistics still
+    pending) gets them committed there and the state_dict taken again. Before: 8 vs 9 batches tracked."""
+    _fit(GANWithNorms(convert=False), [_SaveAtBatch(tmp_path / "plain.ckpt")])
+    ours = GANWithNorms()
+    _fit(ours, [_SaveAtBatch(tmp_path / "pu.ckpt"), ParamUpdates(modules=["gen", "dis"])])
+    plain = torch.load(tmp_path / "plain.ckpt")["state_dict"]
+    saved = torch.load(tmp_path / "pu.ckpt")
+    assert int(saved["state_dict"]["dis.1.num_batches_tracked"]) == 9
+    assert_same(list(plain.items()), list(saved["state_dict"].items()))
+    assert saved["callbacks"]["ParamUpdates"]["attachments"][1]["steps"] == 6  # 3 optimizer steps, 3 flushes
+
+
+# --- issue 24, item 3: configure_optimizers run again by a later fit ------------------------------------
+class LitConstrained(Lit):
+    """Declares weight decay, a built-in constraint and a lambda in ``configure_optimizers``, as the docs show."""
+
+    def configure_optimizers(self):
+        pu.constrain(self.net[0].weight, pu.max_norm(1.0))
+        pu.constrain(self.net[3].weight, lambda w: w.clamp(-0.5, 0.5))
+        return super().configure_optimizers()
+
+
+def _rules_of(module):
+    from paramupdates.rules import base
+
+    ids = {id(t) for t in module.parameters()}
+    return [r for r in base.declared() if any(id(t) in ids for t in r.owner_tensors())]
+
+
+def test_a_second_fit_declares_the_same_rules_again_quietly():
+    """Before: every later fit warned "pu.weight_decay declared at ... replaces ..." (and once per
+    constraint). The same declarations take their earlier places: quiet, and the second fit is plain
+    Lightning's (AdamW) second fit."""
+    ref = Lit(opt="adamw", wd=0.1)
+    _fit(ref)
+    _fit(ref)
+    ours = Lit(opt="adam", pu_wd=0.1, convert=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        _fit(ours, [ParamUpdates()])
+        _fit(ours, [ParamUpdates()])
+    assert_same(_state(ref), _state(ours))
+    assert len(_rules_of(ours)) == 1
+    constrained = LitConstrained(opt="adam", pu_wd=0.1, convert=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        for _ in range(3):
+            _fit(constrained, [ParamUpdates()])
+    assert [r.kind for r in _rules_of(constrained)] == ["constrain:max_norm", "constrain:<lambda>", "weight_decay"]
+    assert float(constrained.net[3].weight.abs().max()) <= 0.5
+    with pytest.warns(UserWarning, match="pu.weight_decay declared at .* replaces the pu.weight_decay declared at"):
+        pu.weight_decay(constrained.net, 0.2, exclude=None)  # another rate, e.g. from a notebook cell: said

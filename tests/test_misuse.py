@@ -4,6 +4,7 @@ never a silent wrong step. One section per row of docs/guarantees.md's "Misuse a
 from __future__ import annotations
 
 import threading
+import warnings
 
 import pytest
 import torch
@@ -488,23 +489,49 @@ def test_a_step_over_an_attached_model_with_pending_updates_is_refused(opener):
 
 
 # --- row 8: the same rule declared twice ---------------------------------------------------------------
-def _decay_twice_run(redeclare):
+def _decay_twice_run(*cells):
+    """A notebook cell declaring weight decay and a max-norm, run once per ``(rate, bound)`` in ``cells``."""
     torch.manual_seed(0)
     m = BNNet()
     opt = torch.optim.SGD(m.parameters(), lr=0.5)
-    for _ in range(1 + redeclare):  # a re-run notebook cell
-        pu.weight_decay(m, 0.1)  # MARK: the cell
-        pu.constrain(m.lin.weight, pu.max_norm(0.5))
+    for rate, bound in cells:  # the cell, run again (edited or not)
+        pu.weight_decay(m, rate)  # MARK: the cell
+        pu.constrain(m.lin.weight, pu.max_norm(bound))
     with pu.step(m, opt) as s:
         m(torch.randn(8, 4)).square().sum().backward()
     return m, s
 
 
-def test_declaring_a_rule_again_replaces_it_with_a_warning():
-    once, s1 = _decay_twice_run(False)
-    with pytest.warns(UserWarning) as record:
-        twice, s2 = _decay_twice_run(True)
+def test_declaring_the_same_rule_again_changes_nothing_quietly():
+    """The cell run again unchanged (or configure_optimizers run again by a later Lightning fit):
+    the same kind, tensors and settings take the earlier rules' places with no warning."""
+    once, s1 = _decay_twice_run((0.1, 0.5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        twice, s2 = _decay_twice_run((0.1, 0.5), (0.1, 0.5))
     assert_same(snapshot(once), snapshot(twice))  # applied once, not twice
+    assert str(s1.schedule()) == str(s2.schedule())
+    from paramupdates.rules import base
+
+    assert len([r for r in base.declared() if any(t is twice.lin.weight for t in r.owner_tensors())]) == 2
+    # in the earlier one's place: constraints of two kinds on one tensor keep their order
+    w = BNNet().lin.weight
+    pu.constrain(w, pu.clamp(-1.0, 1.0))
+    pu.constrain(w, pu.non_neg())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = pu.constrain(w, pu.clamp(-1.0, 1.0))
+    on_w = [r for r in base.declared() if any(t is w for t in r.owner_tensors())]
+    assert [r.kind for r in on_w] == ["constrain:clamp", "constrain:non_neg"] and on_w[0] is again
+
+
+def test_declaring_a_rule_again_replaces_it_with_a_warning():
+    """The cell edited (another rate, another bound), then run again: the later rules replace the
+    earlier ones on the tensors they share, with a warning naming both call sites."""
+    edited, s1 = _decay_twice_run((0.2, 0.4))
+    with pytest.warns(UserWarning) as record:
+        twice, s2 = _decay_twice_run((0.1, 0.5), (0.2, 0.4))
+    assert_same(snapshot(edited), snapshot(twice))  # the later declarations, applied once
     assert str(s1.schedule()) == str(s2.schedule())  # one weight decay, one max_norm
     msgs = [str(w.message) for w in record]
     line = _line_of("MARK: the cell")

@@ -34,8 +34,26 @@ What it does, hook by hook:
   ``on_fit_start``, so the state is kept and loaded right after attaching
   (the rules must be declared by then: in ``__init__``, ``setup`` or
   ``configure_optimizers``).
-* ``teardown`` / ``on_exception``: detach (pending updates are discarded);
-  a later ``fit`` attaches again.
+* ``on_train_batch_end``, ``on_validation_start``, ``on_validation_end``:
+  :meth:`paramupdates.Attachment.flush` for each attachment with updates
+  still pending (no optimizer step; declared rules do not run), e.g. a
+  GAN's discriminator statistics from the generator's step, which no
+  discriminator step follows in that batch. So between batches every tensor
+  is plain Lightning's: for validation, other callbacks, and
+  ``ModelCheckpoint`` (which Lightning runs after the other callbacks). Not
+  inside an accumulation window: there the pending updates belong to the
+  window's coming ``optimizer.step()``. Each flush counts in ``steps``.
+* ``on_save_checkpoint``: Lightning took the module's ``state_dict`` before
+  this hook; a save with updates still pending between steps (by a callback
+  listed before this one) flushes them and takes the ``state_dict`` and this
+  callback's state again.
+* ``on_train_end`` / ``teardown``: flush everything pending (no step
+  follows), then detach; a later ``fit`` attaches again.
+* ``on_exception``: detach (the step in progress is discarded).
+
+Rules declared in ``configure_optimizers`` are declared again by every
+later ``fit``: the same rule again (same kind, tensors and settings) takes
+the earlier one's place quietly; another rule on those tensors warns.
 
 How Lightning drives the optimizer, and what that means here (Lightning 2.x):
 
@@ -60,8 +78,11 @@ How Lightning drives the optimizer, and what that means here (Lightning 2.x):
   mark) and stepped by Lightning after ``optimizer.step``.
 
 Checkpoints are taken between optimizer steps (Lightning's
-``ModelCheckpoint`` saves at the end of a batch or an epoch); updates pending
-in a half-accumulated step are not in them.
+``ModelCheckpoint`` saves at the end of a batch, an epoch or a validation),
+with what is pending flushed. One saved inside an accumulation window (at a
+validation that ``val_check_interval`` places there, or on a timer) holds
+the stored values without the window's pending updates, as it holds none of
+its accumulated gradients.
 """
 
 from __future__ import annotations
@@ -155,13 +176,62 @@ class ParamUpdates(pl.Callback):
             state, self._pending = self._pending, None
             self._load(state)
 
+    # --- between steps: what plain Lightning would have written by now ------------
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """Commit what is still pending after the batch's last ``optimizer.step()`` (the discriminator's
+        statistics from the generator's step), unless an accumulation window is open. Runs before
+        ``ModelCheckpoint``'s hook (Lightning calls checkpoint callbacks last)."""
+        self._flush(trainer)
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Commit what is pending before validation reads the model (outside an accumulation window)."""
+        self._flush(trainer)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Commit what validation issued (plain PyTorch writes at once) before a checkpoint is saved."""
+        self._flush(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Commit everything pending: no optimizer step follows."""
+        self._flush(trainer, in_window=True)
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """A checkpoint saved with updates pending between steps (by a callback listed before this one,
+        or from a hook that runs after a forward): Lightning took the module's ``state_dict`` before
+        this hook, so commit them and take it again, and this callback's state with it."""
+        if self._flush(trainer):
+            checkpoint["state_dict"] = trainer.strategy.lightning_module_state_dict()
+            checkpoint.setdefault("callbacks", {})[self.state_key] = self.state_dict()
+
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Detach (pending updates are discarded); a later ``fit`` attaches again."""
+        """Commit what is pending, then detach; a later ``fit`` attaches again."""
+        self._flush(trainer, in_window=True)
         self._detach()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """Lightning does not call ``teardown`` on an exception: detach here (the step in progress is discarded)."""
         self._detach()
+
+    def _flush(self, trainer: pl.Trainer, *, in_window: bool = False) -> bool:
+        """``Attachment.flush()`` each attachment with updates pending (no optimizer step; declared
+        rules do not run), except inside an accumulation window unless ``in_window``: there the
+        pending updates belong to the window's coming ``optimizer.step()``. True if any committed."""
+        if not self._attached:
+            return False
+        # Lightning's own (private) test of "no optimizer step after this batch", in its 2.x epoch loop
+        if not in_window and trainer.fit_loop.epoch_loop._should_accumulate():
+            return False
+        flushed = False
+        for a in self.attachments:
+            j = a.journal
+            if a.commit is None and j is not None and j.pending_names():  # (not inside optimizer.step())
+                a.flush()
+                flushed = True
+        return flushed
 
     def _detach(self) -> None:
         if self._attached:

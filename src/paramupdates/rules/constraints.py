@@ -113,6 +113,12 @@ class Constraint:
         (``max_norm(3)`` then ``max_norm(2)``: the second); different kinds compose."""
         return self.name
 
+    def settings(self) -> Any:
+        """Equal for two constraints that compute the same (``max_norm(2)`` twice); ``None``: never."""
+        if type(self).__module__ != __name__:
+            return None  # a user's subclass: its attributes may be anything
+        return (type(self), sorted(vars(self).items()))
+
 
 class _Norm(Constraint):
     """``w * factor(n)`` with ``n`` the L2 norm over every dim but ``dim``."""
@@ -362,8 +368,26 @@ class CallableConstraint(Constraint):
             return (code.co_filename, code.co_firstlineno, getattr(fn, "__qualname__", ""))
         return (type(fn).__module__, type(fn).__qualname__)
 
+    def settings(self) -> Any:
+        # the same function: the same object, or the same code over the same closure and defaults
+        # (a lambda in configure_optimizers, made again by each fit)
+        fn = self.fn
+        code = getattr(fn, "__code__", None)
+        if code is None:
+            return (id(fn),)  # (the earlier rule holds its fn: the id is not reused)
+        cells = [_held_id(c) for c in fn.__closure__ or ()]
+        return (code, cells, [id(d) for d in fn.__defaults__ or ()])
+
     def __repr__(self) -> str:
         return f"constrain({self.name})"
+
+
+def _held_id(cell: Any) -> int | None:
+    """``id`` of what a closure cell holds (``None``: empty)."""
+    try:
+        return id(cell.cell_contents)
+    except ValueError:
+        return None
 
 
 def max_norm(value: float, dim: int | None = 0) -> MaxNorm:
@@ -439,6 +463,10 @@ class Constrain(OnTensorList, Rule):
 
     def same_kind(self) -> Any:
         return ("constrain", self.constraint.same_kind())
+
+    def settings(self) -> Any:
+        c = self.constraint.settings()
+        return None if c is None else (c, self.foreach)
 
     def describe(self) -> str:
         return f"pu.constrain({self.constraint.name})"

@@ -121,6 +121,10 @@ class WeightDecay(OnTensorList, Rule):
     def same_kind(self) -> Any:
         return "weight_decay"  # two decays of one tensor are never meant
 
+    def settings(self) -> Any:
+        live = self._tensors.current()
+        return (self.scale_by_lr, self.foreach, sorted((id(t), r) for t, r in zip(live, self.rates)))
+
     def describe(self) -> str:
         return "pu.weight_decay"
 

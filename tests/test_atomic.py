@@ -109,7 +109,7 @@ def test_failing_user_callable_constraint_rolls_back_everything():
 @pytest.mark.filterwarnings("ignore:pu.weight_decay")
 def test_no_snapshot_after_the_last_fallible_stage(monkeypatch):
     """Built-in rules are infallible: after the optimizer step nothing more is copied."""
-    from paramupdates import rollback
+    from paramupdates.commit import rollback
 
     copied = []
     real = rollback.copies_of
@@ -138,7 +138,7 @@ def test_fallible_rule_after_ema_restores_the_average():
 
 
 def test_the_default_commit_takes_no_copy(monkeypatch):
-    from paramupdates import rollback
+    from paramupdates.commit import rollback
 
     copied = []
     monkeypatch.setattr(rollback, "copies_of", lambda pool, ts: copied.append(ts) or [])
@@ -161,7 +161,7 @@ def _failing_step(m, opt, stepper):
 
 def test_rollback_copies_reuse_kept_cpu_buffers_and_still_restore_bitwise():
     """CPU rollback copies live in buffers kept between commits (no fresh allocation per step)."""
-    from paramupdates import rollback
+    from paramupdates.commit import rollback
 
     m = Counter()
     opt = Boom(m.parameters(), lr=0.1, momentum=0.9)
@@ -207,7 +207,7 @@ def test_rollback_copies_reuse_kept_cpu_buffers_and_still_restore_bitwise():
 
 def test_kept_rollback_copies_follow_a_reshaped_view_of_the_same_storage():
     """Same tensor, same data_ptr, new size (p.data = p.data[:1]): a new copy of the new size."""
-    from paramupdates.rollback import SnapshotPool
+    from paramupdates.commit.rollback import SnapshotPool
 
     pool = SnapshotPool()
     t = torch.arange(6.0)

@@ -341,5 +341,5 @@ def test_a_wrapper_without_step_hooks_is_refused_with_update_error():
     before = snapshot(m)
     with pytest.raises(pu.UpdateError, match="Unhookable"):
         pu.attach(m, wrapper)
-    assert not pu.context.attachments
+    assert not pu.routing.attachments()
     assert_same(before, snapshot(m))

@@ -33,7 +33,7 @@ from torch import nn
 
 import paramupdates as pu
 from fault_models import EARLY_SITES, N_STEPS, SITES, USER_SITES, Flaky, Harness, Injected, Net, Tally, data
-from paramupdates import context
+from paramupdates import routing, state
 from paramupdates.rules.base import register
 from programs import Fault, PuRunner, count_statements, programs
 from reference_model import Reference
@@ -77,7 +77,7 @@ def test_fault_in_random_program(program, seg_pick, stmt_pick, driver):
             run.run([seg])
         run.fault_at = None
         assert _state_bytes(run) == before  # nothing the step issued was written
-        assert not context.explicit and not context.pu_pending  # the overlay is gone
+        assert not routing.explicit() and not state.process.pu_pending  # the overlay is gone
         assert run.m._buffers["buf"] is run.m.buf and run.m._buffers["cnt"] is run.m.cnt
         del run.reads[n_reads:]
         ref.grads = {n: None for n in ref.grads}  # the runner zero_grads after a failed step
@@ -118,7 +118,7 @@ def _scenario(rng: random.Random, driver: str, clean: list, site: str, ema: bool
                     # optimizer.step() (optimizer, rules, validation) roll back by themselves.
                     h.owner.discard()
                 h.opt.zero_grad()
-                assert not context.explicit and not context.pu_pending  # the overlay is gone
+                assert not routing.explicit() and not state.process.pu_pending  # the overlay is gone
                 assert h.m._buffers["acc"] is acc and h.m._buffers["count"] is count
                 assert_same(before, h.everything())
             h.step(data(i))
@@ -175,7 +175,7 @@ def test_default_optimizer_fault_keeps_its_writes_drops_the_rest_and_says_so(dri
         assert not torch.equal(bits(after["lin.weight"]), bits(b["lin.weight"]))  # the optimizer's write stays
         assert torch.equal(bits(after["acc"]), bits(b["acc"])) and after["count"] == b["count"]  # auxiliary dropped
         assert after["steps"] == b["steps"]
-        assert not context.explicit and not context.pu_pending
+        assert not routing.explicit() and not state.process.pu_pending
         h.opt.zero_grad()
         h.step(data(2))
         assert int(h.m.count) == 2 and h.owner.steps == 2
@@ -263,7 +263,7 @@ def test_attach_failed_optimizer_step_rolls_back_at_once_and_next_step_counts():
     with pytest.raises(Injected):
         opt.step()
     assert_same(before, snapshot(m, opt))
-    assert not context.pu_pending and att.steps == 1
+    assert not state.process.pu_pending and att.steps == 1
     opt.fail = None
     opt.zero_grad()
     m(data(2)).backward()

@@ -164,12 +164,12 @@ def declare(model: nn.Module, c: dict) -> nn.Module | None:
 # ----------------------------------------------------------------------------
 def clean() -> None:
     """``reset_pu()``, also after a scenario that left an attachment whose abort raises."""
-    from paramupdates import context
+    from paramupdates import routing, state
 
     try:
         reset_pu()
     except Exception:
-        context.attachments.clear()
+        state.process.attachments.clear()
         reset_pu()
 
 

@@ -131,7 +131,7 @@ def test_batchnorm_statistics_equal_plain_lightning_with_torch_batchnorm(accumul
     assert ours.lrs == ref.lrs and len(set(ours.lrs)) > 1
     assert cb.attachments[0].steps == trainer.global_step == -(-6 // accumulate)
     assert "auxiliary" in cb.attachments[0].schedule().phases()
-    assert not pu.context.attachments  # detached in teardown
+    assert not pu.routing.attachments()  # detached in teardown
 
 
 class _ReferenceEMA(L.Callback):
@@ -243,7 +243,7 @@ class GAN(L.LightningModule):
 def test_two_optimizers_name_their_modules():
     with pytest.raises(pu.UpdateError, match="returned 2 optimizers; say which submodule"):
         _fit(GAN(), [ParamUpdates()])
-    assert not pu.context.attachments  # on_exception detached
+    assert not pu.routing.attachments()  # on_exception detached
     gan = GAN()
     cb = ParamUpdates(modules=["gen", "dis"])
     _fit(gan, [cb])
@@ -260,7 +260,7 @@ def test_a_second_fit_works_and_continues():
     _fit(model, [cb])
     first = cb.attachments[0]
     _fit(model, [cb])  # a new Trainer: on_fit_start attaches again (the first attachment was detached)
-    assert cb.attachments[0] is not first and not pu.context.attachments
+    assert cb.attachments[0] is not first and not pu.routing.attachments()
     assert rule_of(model.ema).updates == 12 and int(model.net[1].num_batches_tracked) == 12
 
 
@@ -349,7 +349,7 @@ def test_gan_with_batch_norms_in_both_equals_plain_lightning(val):
     assert len(ours.val_out) == len(ref.val_out) == {None: 0, 3: 4, 1.0: 2}[val]
     for a, b in zip(ref.val_out, ours.val_out):  # validation saw the statistics plain Lightning has
         assert torch.equal(bits(a), bits(b))
-    assert not pu.context.attachments
+    assert not pu.routing.attachments()
 
 
 @pytest.mark.parametrize("val", [False, True], ids=["saved-at-train-epoch-end", "saved-at-validation-end"])

@@ -359,7 +359,7 @@ def test_forgotten_attachments_are_collected_with_their_models():
     import gc
     import weakref
 
-    from paramupdates import context
+    from paramupdates import routing, state
 
     refs = []
     for trial in range(200):
@@ -373,7 +373,7 @@ def test_forgotten_attachments_are_collected_with_their_models():
         del m, opt
     gc.collect()
     alive = sum(r() is not None for r in refs)
-    assert alive == 0 and not context.attachments
+    assert alive == 0 and not routing.attachments()
 
 
 def test_a_forgotten_attachment_does_not_block_another_model():

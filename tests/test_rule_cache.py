@@ -9,7 +9,7 @@ from torch import nn
 
 import paramupdates as pu
 from paramupdates.rules import constraints, ema, weight_decay
-from paramupdates.step import commit_caches
+from paramupdates.owner import commit_caches
 
 from conftest import assert_same, snapshot
 

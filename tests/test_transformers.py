@@ -186,7 +186,7 @@ def test_adam_with_pu_weight_decay_equals_the_trainers_adamw(tmp_path, optim):
     assert type(trainer.optimizer.optimizer) is torch.optim.Adam
     assert cb.attachment.steps == trainer.state.global_step == ref.state.global_step == 8
     assert "before_grad" in cb.attachment.schedule().phases()
-    assert not pu.context.attachments  # detached at on_train_end
+    assert not pu.routing.attachments()  # detached at on_train_end
 
 
 # --- batch norm, EMA, gradient accumulation -------------------------------------
@@ -284,7 +284,7 @@ def test_resume_from_a_checkpoint_outside_output_dir(straight, tmp_path):
         pu.UpdateError, match=r"resumed at global step 2, but no paramupdates.pt .*resume_from_checkpoint"
     ):
         trainer.train(resume_from_checkpoint=str(moved))
-    assert not pu.context.attachments
+    assert not pu.routing.attachments()
     pu.testing.reset()
     model, ema, cb, trainer = _resumable(tmp_path / "new", seed=7, resume_from_checkpoint=str(moved))
     trainer.train(resume_from_checkpoint=str(moved))
@@ -395,12 +395,12 @@ def test_a_train_that_raised_leaves_no_attachment_in_the_way(tmp_path):
     first = ParamUpdates()
     with pytest.raises(RuntimeError, match="boom"):
         Trainer(model, _args(tmp_path), train_dataset=Regression(), callbacks=[first, Boom()]).train()
-    assert pu.context.attachments == [first.attachment]
+    assert pu.routing.attachments() == [first.attachment]
     cb = ParamUpdates()
     trainer = Trainer(model, _args(tmp_path), train_dataset=Regression(), callbacks=[cb])
     trainer.train()
     assert cb.attachment.steps == trainer.state.global_step == 12
-    assert not pu.context.attachments
+    assert not pu.routing.attachments()
 
 
 def test_a_second_train_attaches_again(tmp_path):
@@ -411,7 +411,7 @@ def test_a_second_train_attaches_again(tmp_path):
     first = cb.attachment
     trainer.train()
     assert cb.attachment is not first and first.steps == cb.attachment.steps == 6
-    assert not pu.context.attachments
+    assert not pu.routing.attachments()
 
 
 def test_bad_options_are_refused_at_construction():

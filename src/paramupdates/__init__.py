@@ -6,10 +6,12 @@ ordering rule that applies to it.
 
 from . import (
     func,
-    integrations,  # noqa: F401  (its modules register into the core: hooks.py)
+    guards,
+    integrations,
     nn,
     testing,
 )
+from .attach import Attachment, attach
 from .conditions import when
 from .errors import AmbiguousOrderError, UpdateError
 from .integrations.checkpoint import checkpoint
@@ -20,8 +22,12 @@ from .rules.constraints import clamp, constrain, max_norm, min_max_norm, non_neg
 from .rules.ema import ema
 from .rules.weight_decay import weight_decay
 from .schedule import Schedule, ScheduleEntry
-from .step import Attachment, Stepper, attach, step
+from .step import Stepper, step
 from .updates import assign, assign_add, assign_key, assign_sub, read
+
+_INSTALLED = (guards.install(), *integrations.install())
+"""What importing paramupdates puts in place (the guards of ``copy.deepcopy`` and of module
+registration, the integrations' hooks); each has ``.remove()``."""
 
 __all__ = [
     "AmbiguousOrderError",

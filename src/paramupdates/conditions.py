@@ -19,13 +19,13 @@ from contextlib import contextmanager
 
 import torch
 
-from . import context
+from . import state
 from .origin import call_site
 
 
 def current() -> bool | torch.Tensor | None:
     """The combined condition in force: ``None``, ``False`` or a bool tensor."""
-    return context.local.conditions[-1]
+    return state.local.conditions[-1]
 
 
 def _combine(outer: bool | torch.Tensor | None, pred: bool | torch.Tensor) -> bool | torch.Tensor | None:
@@ -67,7 +67,7 @@ def when(pred: bool | torch.Tensor) -> Iterator[None]:
     host sync). Nested blocks AND their predicates. Reads inside the block see
     the conditional value, in program order (read-your-writes, rule 1).
     """
-    stack = context.local.conditions
+    stack = state.local.conditions
     stack.append(_combine(stack[-1], _check(pred)))
     try:
         yield

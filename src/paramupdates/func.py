@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import context
+from . import routing
 from .journal import Journal
 from .targets import ModelIndex
 from .updates import assign
@@ -59,17 +59,13 @@ def functional_call(
     """
     j = Journal(ModelIndex(module, reparametrized=True), None, "pu.func.functional_call")
     j.watch = False  # torch.func swaps the module's tensors itself
-    context.local.explicit.append(j)
-    context.steps.append(j)
+    routing.enter(j)
     try:
         out = torch.func.functional_call(
             module, parameter_and_buffer_dicts, args, kwargs, tie_weights=tie_weights, strict=strict
         )
     finally:
-        if j in context.local.explicit:
-            context.local.explicit.remove(j)
-        if j in context.steps:
-            context.steps.remove(j)
+        routing.leave(j)
         j.absorb()
         updates = {e.name: e.value for e in j.entries.values() if e.value is not None}
         j.discard()

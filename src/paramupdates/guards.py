@@ -30,40 +30,24 @@ from __future__ import annotations
 
 import copy
 import sys
-import weakref
 from typing import Any
 
 import torch
 from torch import nn
 
-from . import context, overlay
+from . import overlay, routing, state
 from .errors import UpdateError, listed
 from .origin import call_site
+from .routing import stored_of
 
-
-def open_journals() -> list[Any]:
-    """Every step in progress, of every thread, and every attachment's open step."""
-    if not (context.steps or context.attachments):
-        return []  # (the common case outside training: no list built)
-    out = list(context.steps)
-    out.extend(a.journal for a in context.attachments if a.journal is not None)
-    return out
-
-
-def stored_of(v: torch.Tensor, journals: list[Any] | None = None) -> tuple[torch.Tensor, dict | None] | None:
-    """``(target, buffer slots)`` when ``v`` is a pending value shown by a step in progress."""
-    for j in journals if journals is not None else open_journals():
-        found = j.stored_of(v)
-        if found is not None:
-            return found
-    return None
+_pending = state.process.pu_pending
 
 
 # --- state_dict --------------------------------------------------------------------------------------
 def committed_state(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
     """``state_dict`` post-hook: a buffer slot or ``pu.Parameter`` that shows a pending value is saved
     with its stored value (pending values are seen by reads, never by serialization)."""
-    journals = open_journals()
+    journals = routing.live_journals(routing.PROCESS)
     if journals:
         buffers = module._buffers
         for attr, v in buffers.items():
@@ -73,10 +57,10 @@ def committed_state(module: nn.Module, state_dict: dict[str, Any], prefix: str, 
             found = stored_of(v, journals)
             if found is not None and found[1] is buffers:
                 state_dict[key] = found[0] if state_dict[key] is v else found[0].detach()
-    if context.pu_pending:
+    if _pending:
         for attr, p in module._parameters.items():
             key = prefix + attr
-            if p is not None and id(p) in context.pu_pending and key in state_dict and state_dict[key] is not p:
+            if p is not None and id(p) in _pending and key in state_dict and state_dict[key] is not p:
                 state_dict[key] = overlay.plain(p).detach()  # the stored value (the pending one is shown by reads)
 
 
@@ -93,9 +77,7 @@ def refuse_load(
 ) -> None:
     """``load_state_dict`` pre-hook: loading a tensor that has pending updates raises before anything is
     loaded (the first module of a load is the one it was called on: its hook sees the whole subtree)."""
-    if not (context.steps or context.attachments):
-        return
-    for j in open_journals():
+    for j in routing.live_journals(routing.PROCESS):
         base = j.index.module_name(module)
         if base is None:
             continue  # not a module of that step's model
@@ -117,20 +99,9 @@ def refuse_load(
 
 
 # --- assigning a parameter or buffer ------------------------------------------------------------------
-def _pending_in(module: nn.Module, name: str, table: dict) -> tuple[Any, str] | None:
-    """``(journal, qualified name)`` if ``table[name]`` of ``module`` has pending updates."""
-    cur = table.get(name)
-    if cur is None or not (context.steps or context.attachments):
-        return None
-    for j in open_journals():
-        qn = j.pending_name_of(cur)
-        if qn is not None:
-            return j, qn
-    return None
-
-
 def _refuse_assignment(module: nn.Module, name: str, table: dict, kind: str) -> None:
-    found = _pending_in(module, name, table)
+    cur = table.get(name)
+    found = routing.pending_owner(cur) if cur is not None and routing.anything_open() else None
     if found is not None:
         j, qn = found
         raise UpdateError(
@@ -172,45 +143,30 @@ _LOAD_CODE = nn.Module._load_from_state_dict.__code__
 
 
 # --- pu.Parameters re-created by to_empty() -----------------------------------------------------------
-_MATERIALIZED: dict[int, tuple[Any, Any, Any, Any]] = {}
-
-
 def note_materialized(result: torch.Tensor, source: Any) -> None:
     """``torch.empty_like(p, ...)`` of a ``pu.Parameter`` (what ``to_empty()`` calls): torch wraps the
-    result in a plain ``nn.Parameter``; the index makes it a ``pu.Parameter`` again (by its storage)."""
-    if len(_MATERIALIZED) > 4096:
-        _MATERIALIZED.clear()
+    result in a plain ``nn.Parameter``; the index makes it a ``pu.Parameter`` again (by its storage,
+    held weakly)."""
     if isinstance(result, torch.Tensor) and not result.is_meta:
-        key = result.untyped_storage().data_ptr()
-        _MATERIALIZED[key] = (
-            weakref.ref(result.untyped_storage()),
-            type(source),
-            source.auxiliary,
-            source.weight_decay,
-        )
+        state.process.materialized[result.untyped_storage()] = (type(source), source.auxiliary, source.weight_decay)
 
 
 def materialized(t: torch.Tensor) -> tuple[Any, Any, Any] | None:
     """``(class, auxiliary, weight_decay)`` if ``t``'s storage was made by :func:`note_materialized`."""
-    if not _MATERIALIZED or t.is_meta:
+    made = state.process.materialized
+    if not made or t.is_meta:
         return None
-    storage = t.untyped_storage()
-    hit = _MATERIALIZED.pop(storage.data_ptr(), None)
-    if hit is None or hit[0]() is None:
-        return None
-    return hit[1], hit[2], hit[3]
+    return made.pop(t.untyped_storage(), None)
 
 
 # --- the modules of indexed models --------------------------------------------------------------------
-_GUARDED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-
-
 def guard_module(module: nn.Module) -> None:
     """Hook ``module``'s ``state_dict`` and ``load_state_dict`` (once per module)."""
-    if module not in _GUARDED:
+    guarded = state.process.guarded
+    if module not in guarded:
         module.register_state_dict_post_hook(committed_state)
         module.register_load_state_dict_pre_hook(refuse_load)
-        _GUARDED.add(module)
+        guarded.add(module)
 
 
 # --- deepcopy -------------------------------------------------------------------------------------------
@@ -218,16 +174,42 @@ def _deepcopy_tensor(x: torch.Tensor, memo: dict[int, Any]) -> Any:
     """``copy.deepcopy`` of a plain tensor: a pending value shown in a module's buffer slot, copied as
     part of that module (its buffer dict is being copied: ``memo`` holds it), copies as the stored
     value. Copied on its own (``copy.deepcopy(module.running_mean)``, a read) it is the pending value."""
-    if context.steps or context.attachments:
+    if routing.anything_open():
         found = stored_of(x)
         if found is not None and found[1] is not None and id(found[1]) in memo:
             return copy.deepcopy(found[0], memo)
-    return _PREVIOUS_DEEPCOPY(x, memo) if _PREVIOUS_DEEPCOPY is not None else x.__deepcopy__(memo)
+    prev = _Installed.previous_deepcopy
+    return prev(x, memo) if prev is not None else x.__deepcopy__(memo)
 
 
-_PREVIOUS_DEEPCOPY = copy._deepcopy_dispatch.get(torch.Tensor)  # type: ignore[attr-defined]
-copy._deepcopy_dispatch[torch.Tensor] = _deepcopy_tensor  # type: ignore[attr-defined]
-_HANDLES = (
-    nn.modules.module.register_module_buffer_registration_hook(on_buffer_registration),
-    nn.modules.module.register_module_parameter_registration_hook(on_parameter_registration),
-)
+class _Installed:
+    """What :func:`install` put in place (``remove()`` takes it out again)."""
+
+    previous_deepcopy: Any = None
+
+    def __init__(self) -> None:
+        dispatch = copy._deepcopy_dispatch  # type: ignore[attr-defined]
+        type(self).previous_deepcopy = dispatch.get(torch.Tensor)
+        dispatch[torch.Tensor] = _deepcopy_tensor
+        self.module_hooks = (
+            nn.modules.module.register_module_buffer_registration_hook(on_buffer_registration),
+            nn.modules.module.register_module_parameter_registration_hook(on_parameter_registration),
+        )
+
+    def remove(self) -> None:
+        dispatch = copy._deepcopy_dispatch  # type: ignore[attr-defined]
+        if dispatch.get(torch.Tensor) is _deepcopy_tensor:
+            prev = type(self).previous_deepcopy
+            if prev is None:
+                del dispatch[torch.Tensor]
+            else:
+                dispatch[torch.Tensor] = prev
+        for h in self.module_hooks:
+            h.remove()
+
+
+def install() -> _Installed:
+    """Put the guards in place: ``copy.deepcopy``'s handler for plain tensors and the global module
+    registration hooks. ``paramupdates/__init__.py`` calls it once, keeping the handle
+    (``handle.remove()`` undoes it)."""
+    return _Installed()

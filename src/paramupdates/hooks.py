@@ -47,9 +47,10 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from .commit import Commit
-    from .journal import Entry, Journal
-    from .replay import EagerLog
+    from .records import CommitLike as Commit
+    from .records import EagerLogLike as EagerLog
+    from .records import Entry
+    from .records import JournalLike as Journal
 
 
 # --- target resolvers (transformed parameters, rule 10) ---------------------------------------------

@@ -7,7 +7,7 @@ pending value is computed out of place (``ops.apply_op``) and shown to later
 reads (``overlay``): read-your-writes in program order (rule 1). No storage
 is written (deferred commit, rule 2): saved tensors stay valid, version counters do not move.
 
-While a checkpointed segment is recomputed (``context.local.replay``), an update
+While a checkpointed segment is recomputed (``state.local.replay``), an update
 issued again moves only the replay's view and is not recorded (rule 3).
 
 The journal is written by the recording path and read by the commit
@@ -16,20 +16,20 @@ The journal is written by the recording path and read by the commit
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from . import context, hooks, overlay, sharding
+from . import hooks, overlay, sharding, state
 from .errors import AmbiguousOrderError, UpdateError
+from .lookup import EAGER, Lookup
 from .ops import apply_op, check_operand
-from .origin import Origin
 from .phases import AUXILIARY, ISSUE_PHASES, RECORD_PHASES
-from .targets import ModelIndex, TargetInfo
+from .records import Entry, Issued, Planned, Record, Row
+from .targets import ModelIndex
 
 _graph_task_id = torch._C._current_graph_task_id
-_local = context.local  # this thread's steps, conditions and replay (one attribute look-up less per update)
+_local = state.local  # this thread's steps, conditions and replay (one attribute look-up less per update)
 _data_ptr = torch._C.TensorBase.data_ptr
 
 
@@ -48,46 +48,12 @@ def _where(t: Any) -> str:
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-@dataclass(eq=False, slots=True)
-class Record:
-    """One issued update."""
-
-    op: str
-    operand: Any
-    key: Any
-    cond: torch.Tensor | None
-    phase: str
-    sync: str | None
-    origin: Origin | str
-
-
-@dataclass(eq=False)
-class Entry:
-    """A target with pending updates in one journal."""
-
-    target: torch.Tensor
-    name: str
-    info: TargetInfo | None
-    trainable: bool
-    shows: str | None  # how reads see the pending value: overlay.PARAM, overlay.BUFFER or None
-    slots: dict[str, Any] | None = None  # overlay.BUFFER: the owning module's buffer dict (``attr`` in it)
-    attr: str = ""
-    value: torch.Tensor | None = None
-    records: list[Record] = field(default_factory=list)
-    phases: set[str] = field(default_factory=set)  # the phases of the records
-    swapped: bool = False  # a buffer slot holds the pending value
-    sync: str | None = None  # "mean"/"sum" when an update of this step asked for it (distributed sync, rule 9)
-    raw: torch.Tensor | None = None  # the target as a plain tensor, for the commit's writes
-    generation: int = -1  # the model index's generation it was made in
-    journal: Any = None  # the journal using it now (None: free to be reused by the next step)
-    sharded: bool = False  # the target is a DTensor (FSDP2): written through its local shard
-
-    def current(self) -> torch.Tensor:
-        return self.target if self.value is None else self.value
-
-
 class Journal:
-    """The pending updates of one step of one model (with its optimizer)."""
+    """The pending updates of one step of one model (with its optimizer).
+
+    Every method that looks a tensor up takes the call's lookup strategy (``how``: ``lookup.EAGER``
+    or, while dynamo traces, ``lookup.TRACED``), chosen once by the call that issued the update.
+    """
 
     def __init__(
         self,
@@ -105,12 +71,11 @@ class Journal:
         self.entries: dict[int, Entry] = {}
         self.aliases: dict[int, Entry] = {}  # id(pending value) -> its entry
         self.aliases_stale = False  # set when a compiled graph installed pending values
-        # issue order: (entry, record) pairs, and (info, op, conditional, origin) for rows
-        self.order: list[Any] = []
+        self.order: list[Issued | Planned] = []  # issue order: what the schedule shows
         # Rows: auxiliary updates whose values a module computed (pu.nn's statistics), of targets with
-        # nothing else pending, kept as one tuple each instead of an entry and a record (record_rows);
+        # nothing else pending, kept as one Row each instead of an entry and a record (record_rows);
         # made into entries when anything else touches them (absorb).
-        self.rows: list[tuple] = []
+        self.rows: list[Row] = []
         self.row_dst: list[torch.Tensor] = []  # per row, the target to write at commit (a plain tensor)
         self.row_src: list[torch.Tensor] = []  # per row, its pending value
         self.row_ids: dict[int, int] = {}  # id(target) and id(pending value) -> index into rows
@@ -129,7 +94,7 @@ class Journal:
     # lookup
     # ------------------------------------------------------------------
     def opt_ids(self) -> set[int]:
-        """``id()`` of every parameter of the optimizer."""
+        """``id()`` of every parameter of the optimizer (held by it for this step)."""
         if self._opt_ids is None:
             ids: set[int] = set()
             if self.optimizer is not None:
@@ -138,28 +103,24 @@ class Journal:
             self._opt_ids = ids
         return self._opt_ids
 
-    def find(self, t: torch.Tensor, create: bool = True, compiling: bool | None = None) -> Entry | None:
+    def rebuild_aliases(self) -> None:
+        self.aliases = {id(x.value): x for x in self.entries.values() if x.value is not None}
+        self.aliases_stale = False
+
+    def rebuild_row_ids(self) -> None:
+        self.row_ids = {}
+        for i, row in enumerate(self.rows):
+            self.row_ids[id(row.target)] = self.row_ids[id(row.value)] = i
+        self.row_ids_stale = False
+
+    def find(self, t: torch.Tensor, create: bool = True, how: Lookup = EAGER) -> Entry | None:
         """The entry of target ``t`` (or of a pending value read from it); ``create``: make one for a
-        target of the model. ``compiling``: ``torch.compiler.is_compiling()``, if the caller knows it."""
-        if compiling is None:
-            compiling = torch.compiler.is_compiling()
-        if self.rows and self._in_rows(t, compiling):
-            self.absorb(compiling)
-        if compiling:
-            # id() of a pending value would make dynamo guard on it (a recompilation per step): identity
-            for e in self.entries.values():
-                if e.target is t or e.value is t:
-                    return e
-        else:
-            e = self.entries.get(id(t))
-            if e is not None and e.target is t:
-                return e
-            if self.aliases_stale:
-                self.aliases = {id(x.value): x for x in self.entries.values() if x.value is not None}
-                self.aliases_stale = False
-            e = self.aliases.get(id(t))
-            if e is not None and e.value is t:
-                return e
+        target of the model."""
+        if self.rows and how.in_rows(self, t):
+            self.absorb(how)
+        e = how.entry(self, t)
+        if e is not None:
+            return e
         replay = _local.replay
         if replay is not None:
             e = replay.lookup(self, t)  # a value shown by a checkpoint recomputation
@@ -167,15 +128,15 @@ class Journal:
                 return e
         if not create:
             return None
-        reuse = self.reuse
-        if reuse is not None and not compiling:
+        reuse = self.reuse if how.reuses else None
+        if reuse is not None:
             e = reuse.get(id(t))
             if (
                 e is not None
                 and e.target is t
                 and e.journal is None
                 and e.generation == self.index.generation
-                and e.trainable == self._trainable(t, compiling)
+                and e.trainable == self._trainable(t, how)
             ):
                 e.value, e.records, e.phases, e.swapped, e.sync = None, [], set(), False, None
                 e.journal = self
@@ -192,7 +153,7 @@ class Journal:
             t,
             info.name,
             info,
-            self._trainable(t, compiling),
+            self._trainable(t, how),
             info.shows,
             info.slots,
             info.attr,
@@ -202,60 +163,41 @@ class Journal:
         self.entries[id(t)] = e
         if e.sharded:
             self.any_sharded = True
-        if reuse is not None and not compiling:
+        if reuse is not None:
             e.journal = self
             reuse[id(t)] = e
-        if e.shows == overlay.PARAM and not compiling and not e.sharded:
+        if e.shows == overlay.PARAM and how.reuses and not e.sharded:
             e.raw = _plain_view(t)  # its storage now (check_storage: replaced in the step?)
         return e
 
     def holds(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is the pending value of one of this step's targets, found by identity (what
         dynamo traces without guarding on ``id()`` of a tensor made in a step)."""
-        return any(row[4] is t for row in self.rows) or any(e.value is t for e in self.entries.values())
+        return any(row.value is t for row in self.rows) or any(e.value is t for e in self.entries.values())
 
-    def _in_rows(self, t: torch.Tensor, compiling: bool) -> bool:
-        """Whether ``t`` is the target or the pending value of a row."""
-        if compiling:
-            return any(row[0] is t or row[4] is t for row in self.rows)
-        if self.row_ids_stale:
-            self.row_ids = {}
-            for i, row in enumerate(self.rows):
-                self.row_ids[id(row[0])] = self.row_ids[id(row[4])] = i
-            self.row_ids_stale = False
-        i = self.row_ids.get(id(t))
-        return i is not None and (self.rows[i][0] is t or self.rows[i][4] is t)
-
-    def absorb(self, compiling: bool | None = None) -> None:
+    def absorb(self, how: Lookup = EAGER) -> None:
         """Make every row an entry with its record (in its place in the issue order)."""
         if not self.rows:
             return
-        if compiling is None:
-            compiling = torch.compiler.is_compiling()
         rows, self.rows = self.rows, []
         self.row_ids, self.row_dst, self.row_src = {}, [], []
-        for t, _info, op, operand, value, pred, origin, pos, _slots, _attr in rows:
-            e = self.find(t, True, compiling)
+        for row in rows:
+            e = self.find(row.target, True, how)
             assert e is not None and e.value is None  # a row's target has nothing else pending
-            rec = Record(op, operand, None, pred, AUXILIARY, None, origin)
+            rec = Record(row.op, row.operand, None, row.cond, AUXILIARY, None, row.origin)
             # shown as the row was (after hide(), not at all): the overlay is not touched here
-            self._store(e, rec, value, compiling, pos, show=False)
-            if e.slots is not None and e.slots.get(e.attr) is value:
+            self._store(e, rec, row.value, how, row.pos, show=False)
+            if e.slots is not None and e.slots.get(e.attr) is row.value:
                 e.swapped = True
 
-    def _trainable(self, t: torch.Tensor, compiling: bool) -> bool:
+    def _trainable(self, t: torch.Tensor, how: Lookup) -> bool:
         """Whether the optimizer also updates ``t``: it requires grad and, when the step has an
         optimizer, is one of its parameters."""
         if not t.requires_grad:
             return False
         if self.optimizer is None:
             return True
-        if compiling:
-            support = hooks.tracing()
-            if support is not None:
-                return support.in_optimizer(self.optimizer, t)
-            return any(p is t for g in self.optimizer.param_groups for p in g["params"])
-        return id(t) in self.opt_ids()
+        return how.in_optimizer(self, t)
 
     # ------------------------------------------------------------------
     # recording
@@ -268,9 +210,9 @@ class Journal:
         key: Any,
         phase: str | None,
         sync: str | None,
-        origin: Origin | str,
+        origin: Any,
         fresh: bool = False,
-        compiling: bool = False,
+        how: Lookup = EAGER,
         new: torch.Tensor | None = None,
     ) -> None:
         """Validate one update of ``e``'s target and make its new value pending (see the module docstring).
@@ -305,17 +247,9 @@ class Journal:
         replay = _local.replay
         # (While dynamo traces, this is not a runtime check; a compiled forward
         # is not re-run by autograd: checkpointing inside it is a graph op.)
-        if replay is None and not compiling and _graph_task_id() != -1:
-            raise UpdateError(
-                f"pu.{op} on {e.name!r} at {origin} was issued during backward (from a hook, or from "
-                "the recomputation of torch.utils.checkpoint with use_reentrant=True). Updates issued in "
-                "backward would be applied twice or out of order: issue them in forward, and use "
-                "pu.checkpoint (or torch.utils.checkpoint with use_reentrant=False) for activation "
-                "checkpointing."
-            )
-        if replay is None and not compiling and _local.eager_log is None and hooks.segment_probes:
-            hooks.adopt_segment()  # inside a torch.utils.checkpoint segment: note its entry values (replay, rule 3)
-        support = None if compiling else hooks.sharding_support()
+        if replay is None and not how.traced:
+            self._refuse_in_backward(e.name, op, origin)
+        support = None if how.traced else hooks.sharding_support()
         if support is not None and not e.records:
             support.check_update(self, e, f"pu.{op}", origin)  # sharding hook: FSDP's temporary parameters
         cond = _local.conditions[-1]
@@ -329,7 +263,7 @@ class Journal:
                 if e.sharded and support is not None:
                     operand = support.operand(e, operand, f"pu.{op}", origin)  # sharding hook: laid out like e
                 if isinstance(operand, torch.Tensor):
-                    operand = self.read(operand, compiling)
+                    operand = self.read(operand, how)
                     if not e.trainable:
                         operand = operand.detach()
             old = e.current() if replay is None else replay.current(self, e)  # (current_of, inlined)
@@ -341,100 +275,110 @@ class Journal:
         if replay is not None:
             replay.set_value(self, e, new)  # issued again by a recomputation: only its view moves
             return
-        self._store(e, Record(op, operand, key, pred, phase, sync, origin), new, compiling)
+        self._store(e, Record(op, operand, key, pred, phase, sync, origin), new, how)
+
+    @staticmethod
+    def _refuse_in_backward(name: str, op: str, origin: Any) -> None:
+        """An update issued during backward raises; one issued inside a ``torch.utils.checkpoint``
+        segment's forward notes the segment's entry values (replay, rule 3)."""
+        if _graph_task_id() != -1:
+            raise UpdateError(
+                f"pu.{op} on {name!r} at {origin} was issued during backward (from a hook, or from "
+                "the recomputation of torch.utils.checkpoint with use_reentrant=True). Updates issued in "
+                "backward would be applied twice or out of order: issue them in forward, and use "
+                "pu.checkpoint (or torch.utils.checkpoint with use_reentrant=False) for activation "
+                "checkpointing."
+            )
+        if _local.eager_log is None and hooks.segment_probes:
+            hooks.adopt_segment()
 
     def record_computed(
         self,
         items: list[tuple[Entry, str, Any, torch.Tensor]],
         sync: str | None,
-        origin: Origin | str,
-        compiling: bool,
+        origin: Any,
+        how: Lookup,
     ) -> None:
         """Several internal auxiliary updates whose new values the caller computed (``pu.nn``'s
         statistics: ``(entry, op, operand, new value)``), checked together: what :meth:`record`
         checks that does not depend on the target, once."""
         replay = _local.replay
         if self.done_phases and AUXILIARY in self.done_phases:
-            self.record(items[0][0], "assign", items[0][3], None, None, sync, origin, True, compiling)  # raises
-        if replay is None and not compiling:
-            if _graph_task_id() != -1:
-                self.record(items[0][0], "assign", items[0][3], None, None, sync, origin, True, compiling)  # raises
-            if _local.eager_log is None and hooks.segment_probes:
-                hooks.adopt_segment()  # inside a torch.utils.checkpoint segment (replay, rule 3)
+            self.record(items[0][0], "assign", items[0][3], None, None, sync, origin, True, how)  # raises
+        if replay is None and not how.traced:
+            self._refuse_in_backward(items[0][0].name, "assign", origin)
         cond = _local.conditions[-1]
         pred = cond if isinstance(cond, torch.Tensor) else None
         for e, op, operand, new in items:
             if e.trainable or sync is not None or e.sync is not None:
-                self.record(e, op, operand, None, None, sync, origin, True, compiling, new)  # the general path
+                self.record(e, op, operand, None, None, sync, origin, True, how, new)  # the general path
                 continue
             if pred is not None:
                 new = torch.where(pred, new, overlay.plain(self.current_of(e)))
             if replay is not None:
                 replay.set_value(self, e, new)
             else:
-                self._store(e, Record(op, operand, None, pred, AUXILIARY, None, origin), new, compiling)
+                self._store(e, Record(op, operand, None, pred, AUXILIARY, None, origin), new, how)
 
-    def record_rows(
-        self, updates: list[tuple[torch.Tensor, str, Any, torch.Tensor]], origin: Origin | str, compiling: bool
-    ) -> bool:
-        """Record auxiliary updates whose values the caller computed (``pu.nn``'s statistics), one
-        tuple each: the fast path of :meth:`record_computed`. False (nothing recorded) unless every
-        target is a buffer or a non-trainable parameter of the model with nothing pending, and no
-        recomputation, checkpointed segment, backward or committed auxiliary phase is in the way."""
-        if _local.replay is not None or _local.eager_log is not None or AUXILIARY in self.done_phases:
-            return False
-        if not compiling and (_graph_task_id() != -1 or (hooks.segment_probes and hooks.in_segment())):
-            return False
+    def _row_infos(self, updates: list[tuple[torch.Tensor, str, Any, torch.Tensor]], how: Lookup) -> list | None:
+        """The index's info of each target of ``updates`` if every one can be a row (a buffer or a
+        non-trainable parameter of the model with nothing pending), else None."""
         infos = []
-        if compiling:
+        if how.traced:
             for t, _op, _operand, _new in updates:
-                if t.requires_grad or any(e.target is t or e.value is t for e in self.entries.values()):
-                    return False
-                if self.rows and self._in_rows(t, True):
-                    return False
+                if t.requires_grad or how.entry(self, t) is not None or (self.rows and how.in_rows(self, t)):
+                    return None
                 info = self.index.peek(t)
                 if info is None or info.shows == overlay.PARAM or sharding.is_sharded(t):
-                    return False
+                    return None
                 infos.append(info)
-        else:
-            # (one pass of dict look-ups: this runs for every batch norm of every step)
-            if self.row_ids_stale:
-                self._in_rows(updates[0][0], False)  # rebuilds row_ids
-            entries, aliases, ids, by_id = self.entries, self.aliases, self.row_ids, self.index.by_id
-            for t, _op, _operand, _new in updates:
-                k = id(t)
-                if t.requires_grad or k in entries or k in aliases or k in ids:
-                    return False  # pending already (or maybe: the general path finds out)
-                info = by_id.get(k)  # the index as built (no rebuild on a miss: the general path does that)
-                if info is None or info.ref() is not t or info.shows == overlay.PARAM or info.sharded:
-                    return False
-                infos.append(info)
+            return infos
+        # (one pass of dict look-ups: this runs for every batch norm of every step)
+        if self.row_ids_stale:
+            self.rebuild_row_ids()
+        entries, aliases, ids, by_id = self.entries, self.aliases, self.row_ids, self.index.by_id
+        for t, _op, _operand, _new in updates:
+            k = id(t)
+            if t.requires_grad or k in entries or k in aliases or k in ids:
+                return None  # pending already (or maybe: the general path finds out)
+            info = by_id.get(k)  # the index as built (no rebuild on a miss: the general path does that)
+            if info is None or info.ref() is not t or info.shows == overlay.PARAM or info.sharded:
+                return None
+            infos.append(info)
+        return infos
+
+    def record_rows(self, updates: list[tuple[torch.Tensor, str, Any, torch.Tensor]], origin: Any, how: Lookup) -> bool:
+        """Record auxiliary updates whose values the caller computed (``pu.nn``'s statistics), one
+        :class:`Row` each: the fast path of :meth:`record_computed`. False (nothing recorded) unless
+        every target is a buffer or a non-trainable parameter of the model with nothing pending, and
+        no recomputation, checkpointed segment, backward or committed auxiliary phase is in the way."""
+        if _local.replay is not None or _local.eager_log is not None or AUXILIARY in self.done_phases:
+            return False
+        if not how.traced and (_graph_task_id() != -1 or (hooks.segment_probes and hooks.in_segment())):
+            return False
+        infos = self._row_infos(updates, how)
+        if infos is None:
+            return False
         cond = _local.conditions[-1]
         pred = cond if isinstance(cond, torch.Tensor) else None
-        rows, order, ids, dst, src = self.rows, self.order, self.row_ids, self.row_dst, self.row_src
+        rows, order, dst, src = self.rows, self.order, self.row_dst, self.row_src
         for (t, op, operand, new), info in zip(updates, infos):
             if new.requires_grad:
                 new = new.detach()
             if pred is not None:
                 new = torch.where(pred, new, t)
-            slots, attr = info.slots, info.attr
-            row = (t, info, op, operand, new, pred, origin, len(order), slots, attr)
-            if compiling:
-                self.row_ids_stale = True
-            else:
-                ids[id(t)] = ids[id(new)] = len(rows)
-            rows.append(row)
+            how.rowed(self, t, new, len(rows))
+            rows.append(Row(t, info, op, operand, new, pred, origin, len(order)))
             dst.append(t if type(t) in _PLAIN else overlay.plain(t))
             src.append(new)
-            order.append((info, op, pred is not None, origin))  # what the schedule shows (no tensors)
-            if slots is not None and slots.get(attr) is t:
-                slots[attr] = new  # read-your-writes through the module attribute (rule 1)
+            order.append(Planned(info.name, op, pred is not None, origin))  # what the schedule shows
+            slots = info.slots
+            if slots is not None and slots.get(info.attr) is t:
+                slots[info.attr] = new  # read-your-writes through the module attribute (rule 1)
         self.shown = True
         return True
 
-    def _store(
-        self, e: Entry, rec: Record, new: torch.Tensor, compiling: bool, pos: int | None = None, show: bool = True
-    ) -> None:
+    def _store(self, e: Entry, rec: Record, new: torch.Tensor, how: Lookup, pos: int | None = None, show: bool = True) -> None:
         """Keep ``rec`` and make ``new`` the pending value (``pos``: its place in the issue order, if
         it has one already; ``show``: show it to reads, see :meth:`set_value`)."""
         phase, sync = rec.phase, rec.sync
@@ -449,21 +393,16 @@ class Journal:
             e.sync = sync
             self.synced.append(e)
         if pos is None:
-            self.order.append((e, rec))
+            self.order.append(Issued(e, rec))
         else:
-            self.order[pos] = (e, rec)
-        self.set_value(e, new, compiling, show)
+            self.order[pos] = Issued(e, rec)
+        self.set_value(e, new, how, show)
 
-    def set_value(self, e: Entry, new: torch.Tensor, compiling: bool | None = None, show: bool = True) -> None:
+    def set_value(self, e: Entry, new: torch.Tensor, how: Lookup = EAGER, show: bool = True) -> None:
         """Make ``new`` ``e``'s pending value and (``show``) what reads of ``e``'s target return."""
         old = e.value
         e.value = new
-        if compiling if compiling is not None else torch.compiler.is_compiling():
-            self.aliases_stale = True
-        else:
-            if old is not None:
-                self.aliases.pop(id(old), None)
-            self.aliases[id(new)] = e
+        how.valued(self, e, old, new)
         if show and e.shows is not None:
             self.shown = True
             if overlay.show(e, new, e, old):
@@ -472,7 +411,7 @@ class Journal:
     def pending_names(self) -> list[str]:
         """The qualified names of the targets with pending updates."""
         names = [e.name for e in self.entries.values() if e.value is not None]
-        names.extend(row[1].name for row in self.rows)
+        names.extend(row.name for row in self.rows)
         return names
 
     def pending_name_of(self, t: torch.Tensor) -> str | None:
@@ -483,36 +422,35 @@ class Journal:
         found = self.stored_of(t)
         if found is not None:
             return self.pending_name_of(found[0])
-        if self.rows and self._in_rows(t, False):
-            return self.rows[self.row_ids[id(t)]][1].name
+        if self.rows and EAGER.in_rows(self, t):
+            return self.rows[self.row_ids[id(t)]].name
         return None
 
     def stored_of(self, v: torch.Tensor) -> tuple[torch.Tensor, dict | None] | None:
         """``(target, buffer slots)`` when ``v`` is the pending value of one of this step's targets,
         else None (for serialization: the stored tensor stands for its pending value)."""
         if self.aliases_stale:
-            self.aliases = {id(x.value): x for x in self.entries.values() if x.value is not None}
-            self.aliases_stale = False
+            self.rebuild_aliases()
         e = self.aliases.get(id(v))
         if e is not None and e.value is v:
             return e.target, e.slots
-        if self.rows and self._in_rows(v, False):
+        if self.rows and EAGER.in_rows(self, v):
             row = self.rows[self.row_ids[id(v)]]
-            if row[4] is v:
-                return row[0], row[1].slots
+            if row.value is v:
+                return row.target, row.slots
         return None
 
     def current_of(self, e: Entry) -> torch.Tensor:
         """What a read of ``e``'s target sees now: its pending value, or the value a checkpoint
-        recomputation shows (``context.local.replay``)."""
+        recomputation shows (``state.local.replay``)."""
         replay = _local.replay
         if replay is not None:
             return replay.current(self, e)
         return e.current()
 
-    def read(self, t: torch.Tensor, compiling: bool | None = None) -> torch.Tensor:
+    def read(self, t: torch.Tensor, how: Lookup = EAGER) -> torch.Tensor:
         """The value of ``t`` as this step sees it (pending or stored), as a plain tensor."""
-        e = self.find(t, False, compiling)
+        e = self.find(t, False, how)
         if e is None:
             return overlay.plain(t)
         return overlay.plain(self.current_of(e))
@@ -525,14 +463,15 @@ class Journal:
         if not self.shown:
             return
         self.shown = False
-        for row in self.rows:  # (t, info, op, operand, value, pred, origin, pos, slots, attr)
-            slots = row[8]
+        for row in self.rows:
+            slots = row.info.slots
             if slots is not None:
-                cur = slots.get(row[9])
-                if cur is row[4]:
-                    slots[row[9]] = row[0]
-                elif cur is not row[0]:
-                    self._replaced(row[1].name, row[0], cur)
+                attr = row.info.attr
+                cur = slots.get(attr)
+                if cur is row.value:
+                    slots[attr] = row.target
+                elif cur is not row.target:
+                    self._replaced(row.info.name, row.target, cur)
         for e in self.entries.values():
             slots = e.slots
             if slots is not None:  # overlay.hide, inlined: this loop runs over every target, every step
@@ -593,9 +532,9 @@ class Journal:
         """Show the values still pending (those of phases not committed yet) again."""
         if self.rows and AUXILIARY not in self.done_phases:
             for row in self.rows:
-                slots = row[8]
-                if slots is not None and slots.get(row[9]) is row[0]:
-                    slots[row[9]] = row[4]
+                slots = row.info.slots
+                if slots is not None and slots.get(row.info.attr) is row.target:
+                    slots[row.info.attr] = row.value
             self.shown = True
         for e in self.entries.values():
             if e.value is not None and e.phases - self.done_phases:

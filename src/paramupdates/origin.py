@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import os
 import sys
-import types
 
 import torch
 
-from . import hooks
+from . import hooks, state
 
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 # Modules built on the mechanism (pu.nn) are where their updates are issued:
@@ -47,8 +46,11 @@ def relative(filename: str) -> str:
     return filename[len(_CWD) :] if filename.startswith(_CWD) else filename
 
 
-_INTERNAL: dict[types.CodeType, bool] = {}
-hooks.internal_files_changed.append(_INTERNAL.clear)
+def _forget_verdicts() -> None:
+    state.process.internal_code.clear()
+
+
+hooks.internal_files_changed.append(_forget_verdicts)
 
 
 class Origin:
@@ -91,7 +93,7 @@ def capture(depth: int = 2, compiling: bool | None = None) -> Origin | str:
     except ValueError:  # pragma: no cover - shallow stack
         return "<unknown>"
     first = f
-    cache = _INTERNAL
+    cache = state.process.internal_code
     while f is not None:
         code = f.f_code
         internal = cache.get(code)

@@ -2,7 +2,7 @@
 
 A target shows a value other than its stored one in one of two ways:
 
-* a ``pu.Parameter`` (a class with ``reads_pending = True``): ``context.pu_pending``
+* a ``pu.Parameter`` (a class with ``reads_pending = True``): ``state.process.pu_pending``
   maps it to a *holder* (an object with ``.target`` and ``.value``), which its
   ``__torch_function__`` reads, so every reference to it, any op and
   ``print`` see the value;
@@ -20,14 +20,12 @@ checkpoint segment (``replay.Replay``) both show values through these functions.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from . import context
-
-if TYPE_CHECKING:
-    from .journal import Entry
+from . import state
+from .records import Entry
 
 PARAM = "param"
 BUFFER = "buffer"
@@ -70,9 +68,9 @@ def show(e: Entry, value: torch.Tensor, holder: Any, prev: torch.Tensor | None =
     """
     if e.shows == PARAM:
         if value is e.target:
-            context.pu_pending.pop(id(e.target), None)
+            state.process.pu_pending.pop(id(e.target), None)
         else:
-            context.pu_pending[id(e.target)] = holder
+            state.process.pu_pending[id(e.target)] = holder
         return False
     slots = e.slots
     if slots is not None:
@@ -87,7 +85,7 @@ def hide(e: Entry, value: torch.Tensor | None, holder: Any) -> None:
     """Undo :func:`show`: a buffer slot that holds ``value`` gets the target back; a ``pu.Parameter``
     that shows ``holder`` stops showing it."""
     if e.shows == PARAM:
-        if context.pu_pending.get(id(e.target)) is holder:
-            del context.pu_pending[id(e.target)]
+        if state.process.pu_pending.get(id(e.target)) is holder:
+            del state.process.pu_pending[id(e.target)]
     elif e.slots is not None and value is not None and e.slots.get(e.attr) is value:
         e.slots[e.attr] = e.target

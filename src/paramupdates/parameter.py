@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from . import context, guards
+from . import guards, state
 from .updates import issue
 
 _empty_like = torch.empty_like
@@ -75,7 +75,7 @@ _OBJECT_METHODS = frozenset(
 
 def _sub(a: Any) -> Any:
     if isinstance(a, Parameter):
-        e = context.pu_pending.get(id(a))
+        e = state.process.pu_pending.get(id(a))
         if e is not None and e.target is a and e.value is not None:
             return e.value
         return a
@@ -159,7 +159,7 @@ class Parameter(torch.nn.Parameter):
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if kwargs is None:
             kwargs = {}
-        if context.pu_pending and _substitutes(func):
+        if state.process.pu_pending and _substitutes(func):
             args = tuple(_sub(a) for a in args)
             if kwargs:
                 kwargs = {k: _sub(v) for k, v in kwargs.items()}

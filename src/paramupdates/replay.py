@@ -9,7 +9,7 @@ mechanism calls it is glue (``integrations/checkpoint.py`` for
 * entering a segment in forward, :func:`entry_values` notes what every live
   journal shows for its targets: one reference per pending target, no copy
   (pending values are never written in place, deferred commit (rule 2));
-* during the recomputation, ``context.local.replay`` is a :class:`Replay` that shows
+* during the recomputation, ``state.local.replay`` is a :class:`Replay` that shows
   those values instead of the journals' latest ones. An update issued again
   moves only the replay's own view (so the segment's later reads see it, as
   they did the first time) and is not recorded: the journal keeps the one
@@ -27,37 +27,24 @@ recomputes bitwise the same values, hence the same gradients.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from . import context, overlay
+from . import overlay, routing, state
 from .ops import apply_inplace
+from .records import Entry, JournalLike
 
-if TYPE_CHECKING:
-    from .journal import Entry, Journal
+Journal = JournalLike
 
 EntryValues = dict[tuple[int, int], torch.Tensor]
 """``(id(journal), id(entry))`` -> the value shown at segment entry."""
 
 
-def live_journals() -> list[Journal]:
-    """Every open journal this thread sees: its explicit steps (innermost first), then attachments'.
-    While this thread recomputes a checkpointed segment: the journals of that segment's forward."""
-    replay = context.local.replay
-    if replay is not None:
-        return replay.journals
-    out = list(reversed(context.local.explicit))
-    for att in context.attachments:
-        if att.journal is not None:
-            out.append(att.journal)
-    return out
-
-
 def entry_values() -> EntryValues:
     """What every live journal shows for its targets now (references, no copies)."""
     snap: EntryValues = {}
-    for j in live_journals():
+    for j in routing.live_journals(routing.THREAD):
         j.absorb()  # rows become entries: the replay shows entries
         for e in j.entries.values():
             v = j.current_of(e)
@@ -92,9 +79,9 @@ class Replay:
         # recomputation may run in another one), then the attachments' journals.
         self.explicit = explicit
         self.journals: list[Journal] = list(explicit)
-        for att in context.attachments:
-            if att.journal is not None and att.journal not in self.journals:
-                self.journals.append(att.journal)
+        for j in routing.attached_journals():
+            if j not in self.journals:
+                self.journals.append(j)
 
     def eager_write(self, op: str, target: torch.Tensor, operand: Any, key: Any, cond: Any) -> None:
         """An eager update issued again by the recomputation: it moves the target's entry value
@@ -142,9 +129,9 @@ class Replay:
             for e in list(j.entries.values()):
                 if e.shows == overlay.PARAM:
                     if e.value is None:
-                        context.pu_pending.pop(id(e.target), None)
+                        state.process.pu_pending.pop(id(e.target), None)
                     else:
-                        context.pu_pending[id(e.target)] = e
+                        state.process.pu_pending[id(e.target)] = e
                 elif e.shows == overlay.BUFFER:
                     cur = overlay.slot(e)
                     if cur is e.target or self._shown(cur):
@@ -215,8 +202,8 @@ class Segment:
 
     def noted(self, parent: EagerLog | None = None) -> EagerLog:
         """Note the values shown now as the entry values, and this thread's steps; return the eager log."""
-        replay = context.local.replay  # (a segment inside a recomputation: that replay's steps)
-        self.explicit = replay.explicit if replay is not None else list(reversed(context.local.explicit))
+        replay = state.local.replay  # (a segment inside a recomputation: that replay's steps)
+        self.explicit = replay.explicit if replay is not None else list(reversed(state.local.explicit))
         self.values = entry_values()
         self.log = EagerLog(parent)
         return self.log
@@ -234,11 +221,11 @@ class _Forward:
         self.prev: EagerLog | None = None
 
     def __enter__(self) -> None:
-        self.prev = context.local.eager_log
-        context.local.eager_log = self.seg.noted(self.prev)
+        self.prev = state.local.eager_log
+        state.local.eager_log = self.seg.noted(self.prev)
 
     def __exit__(self, *exc: Any) -> None:
-        context.local.eager_log = self.prev
+        state.local.eager_log = self.prev
 
 
 class _Recompute:
@@ -252,14 +239,14 @@ class _Recompute:
 
     def __enter__(self) -> None:
         log = self.seg.log
-        self.prev = context.local.replay
+        self.prev = state.local.replay
         if self.prev is not None:
             self.prev.uninstall()
         self.replay = Replay(self.seg.values or {}, log, self.seg.explicit)
         self.replay.install()
-        context.local.replay = self.replay
-        self.prev_log = context.local.eager_log
-        context.local.eager_log = None
+        state.local.replay = self.replay
+        self.prev_log = state.local.eager_log
+        state.local.eager_log = None
         if log is not None and log.entry:
             self.versions = log.versions()
             self.latest = log.swap({k: v for k, (_, v) in log.entry.items()}, self.versions)
@@ -271,7 +258,7 @@ class _Recompute:
             self.seg.log.swap(self.latest, self.versions)
             self.latest = None
         self.replay.uninstall()
-        context.local.replay = self.prev
-        context.local.eager_log = self.prev_log
+        state.local.replay = self.prev
+        state.local.eager_log = self.prev_log
         if self.prev is not None:
             self.prev.install()

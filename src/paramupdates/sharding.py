@@ -27,9 +27,10 @@ import torch
 if TYPE_CHECKING:
     from torch import nn
 
-    from .commit import Commit
-    from .journal import Entry, Journal
-    from .targets import ModelIndex
+    from .records import CommitLike as Commit
+    from .records import Entry
+    from .records import IndexLike as ModelIndex
+    from .records import JournalLike as Journal
 
 
 def dtensor_type() -> type | None:

@@ -10,44 +10,34 @@ from __future__ import annotations
 
 import sys
 import weakref
-from dataclasses import dataclass
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from . import guards, hooks, overlay, sharding
-
-
-@dataclass(eq=False)
-class TargetInfo:
-    """Where a target lives: ``owner.<attr>`` is the tensor, ``name`` its qualified name.
-
-    ``shows``/``slots``: how a read sees its pending value (``overlay.shows_through``) and, for a
-    buffer, the owning module's buffer dict, where the pending value is put.
-    """
-
-    ref: weakref.ref
-    name: str
-    owner_ref: weakref.ref
-    attr: str
-    kind: str  # "parameter" or "buffer"
-    shows: str | None = None
-    slots: dict | None = None
-    sharded: bool = False  # a DTensor (FSDP2)
-    kept: tuple | None = None  # a pu.Parameter: (its class, auxiliary, weight_decay), to keep its type
-
-    @property
-    def owner(self) -> nn.Module | None:
-        return self.owner_ref()
+from . import guards, hooks, overlay, routing, sharding, state
+from .records import RuleLike, TargetInfo
 
 
 class ModelIndex:
-    """Identity map from the tensors of ``model`` to :class:`TargetInfo`."""
+    """Identity map from the tensors of ``model`` to :class:`TargetInfo`; and what belongs to the
+    model besides: the rules that apply to it (:attr:`rules`, kept by ``rules.base.rules_for``) and
+    the caches of its commits (:meth:`caches_for`), which live as long as the model (and optimizer).
+
+    ``by_id`` is keyed by ``id()`` of the tensors it maps, and each :class:`TargetInfo` checks its
+    tensor by a weak reference: an entry whose tensor died is never taken for another tensor."""
 
     def __init__(self, model: nn.Module, reparametrized: bool = False) -> None:
         self._model_ref = weakref.ref(model)
         self.by_id: dict[int, TargetInfo] = {}
         self.generation = 0
+        self.rules: list[RuleLike] = []
+        """The rules that apply to the model, in declaration order (as of :attr:`rules_key`)."""
+        self.rules_key: tuple[int, int] | None = None
+        """``(state.process.rules_version, generation)`` when :attr:`rules` was made."""
+        self._caches: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+        self._caches_alone: Any = None
         # ``reparametrized``: index what the slots hold inside ``torch.func.functional_call`` (the
         # tensors passed in; ``pu.func``'s own index). A model's index keeps its stored tensors then.
         self.reparametrized = reparametrized
@@ -68,7 +58,7 @@ class ModelIndex:
             return  # the slots hold the tensors passed to torch.func.functional_call, not the model's
         by_id: dict[int, TargetInfo] = {}
         modules: dict[int, tuple[weakref.ref, str]] = {}
-        journals = guards.open_journals()
+        journals = routing.live_journals(routing.PROCESS)
         has_meta = False
         if model is not None:
             visitors = list(hooks.module_visitors.values())
@@ -83,7 +73,7 @@ class ModelIndex:
                 for kind, table in (("parameter", mod._parameters), ("buffer", mod._buffers)):
                     for attr, t in table.items():
                         if journals and t is not None and kind == "buffer":
-                            found = guards.stored_of(t, journals)
+                            found = routing.stored_of(t, journals)
                             if found is not None and found[1] is table:
                                 t = found[0]  # (the slot shows its pending value)
                         if t is not None and id(t) not in by_id:
@@ -106,6 +96,35 @@ class ModelIndex:
         self.by_id = by_id
         self.modules = modules
         self.has_meta = has_meta  # some tensor is on the meta device (no values: nothing to step)
+
+    def forget_rules(self) -> None:
+        """Make :attr:`rules` be recomputed at the next commit."""
+        self.rules, self.rules_key = [], None
+
+    def caches_for(self, optimizer: Any, make: Callable[[], Any]) -> Any:
+        """The caches of the commits on this model with ``optimizer`` (``None``: without one), made by
+        ``make()`` the first time; they live as long as the model and the optimizer."""
+        if optimizer is None:
+            if self._caches_alone is None:
+                self._caches_alone = make()
+            return self._caches_alone
+        caches = self._caches.get(optimizer)
+        if caches is None:
+            caches = self._caches[optimizer] = make()
+        return caches
+
+    def modules_and_tensors(self) -> list[Any]:
+        """Every module and tensor of the model as last indexed (what rules are declared on)."""
+        out: list[Any] = []
+        for ref, _name in self.modules.values():
+            m = ref()
+            if m is not None:
+                out.append(m)
+        for info in self.by_id.values():
+            t = info.ref()
+            if t is not None:
+                out.append(t)
+        return out
 
     def meta_names(self) -> list[str]:
         """The qualified names of the model's tensors on the meta device (the index rebuilt first)."""
@@ -165,15 +184,12 @@ def reparametrizing(depth: int = 64) -> bool:
     return False
 
 
-_INDEXES: weakref.WeakKeyDictionary[nn.Module, ModelIndex] = weakref.WeakKeyDictionary()
-
-
 def index_of(model: nn.Module) -> ModelIndex:
-    """The (cached) index of ``model``."""
-    idx = _INDEXES.get(model)
+    """The index of ``model`` (made once; it lives as long as the model)."""
+    indexes = state.process.indexes
+    idx = indexes.get(model)
     if idx is None:
-        idx = ModelIndex(model)
-        _INDEXES[model] = idx
+        idx = indexes[model] = ModelIndex(model)
     return idx
 
 
@@ -214,7 +230,7 @@ def describe(t: torch.Tensor) -> str:
 
 def index_owning(tensors: list[torch.Tensor]) -> ModelIndex | None:
     """An existing index whose model owns every one of ``tensors`` (as last indexed), or None."""
-    for idx in list(_INDEXES.values()):
+    for idx in list(state.process.indexes.values()):
         if tensors and all(idx.peek(t) is not None for t in tensors):
             return idx
     return None
@@ -225,7 +241,7 @@ def owner_anywhere(t: torch.Tensor) -> tuple[str, str] | None:
 
     For error messages only: it may rebuild every index.
     """
-    for model, idx in list(_INDEXES.items()):
+    for model, idx in list(state.process.indexes.items()):
         info = idx.lookup(t)
         if info is not None:
             return info.name, type(model).__name__

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import context
+from . import routing, state
 from .rules import base
 
 
@@ -14,9 +14,9 @@ def reset() -> None:
     overlay is removed and every declared rule is undeclared. For test
     fixtures: ``yield; pu.testing.reset()``.
     """
-    for att in list(context.attachments):
+    for att in list(routing.attachments()):
         att.detach()
-    for j in {id(j): j for j in [*context.steps, *context.local.explicit]}.values():
+    for j in routing.live_journals(routing.PROCESS) + [j for j in routing.explicit() if j not in state.process.steps]:
         j.discard()  # (every thread's: a test's threads are gone)
-    context.reset()
+    state.reset()
     base.clear()

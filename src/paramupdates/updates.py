@@ -25,15 +25,15 @@ from typing import Any
 
 import torch
 
-from . import context, hooks, overlay
+from . import hooks, lookup, overlay, routing, state
 from .errors import UpdateError
-from .journal import Entry, Journal
+from .journal import Journal
+from .lookup import Lookup
 from .ops import apply_inplace, check_operand
-from .origin import Origin, capture
-from .replay import live_journals
+from .origin import Origin
 from .targets import describe, owner_anywhere, reparametrizing, slot_name
 
-_local = context.local  # this thread's steps and conditions (one attribute look-up less per update)
+_local = state.local  # this thread's steps and conditions (one attribute look-up less per update)
 
 
 def issue(
@@ -55,8 +55,8 @@ def issue(
     cond = _local.conditions[-1]
     if cond is False:
         return
-    compiling = torch.compiler.is_compiling()
-    origin = capture(depth, compiling)
+    how = lookup.choose()  # eager or traced, once for the whole call
+    origin = how.origin(depth)
     if not isinstance(target, torch.Tensor):
         raise UpdateError(
             f"pu.{op} at {origin}: the target is a {type(target).__name__}, not a tensor. "
@@ -70,9 +70,9 @@ def issue(
                 for original, value in stored:
                     issue("assign", original, value, None, phase, sync, depth=depth + 1)
                 return
-    j, e = route(target, origin, op, compiling)
+    j, e = _route(target, origin, op, how)
     if j is not None and e is not None:
-        j.record(e, op, operand, key, phase, sync, origin, fresh, compiling)
+        j.record(e, op, operand, key, phase, sync, origin, fresh, how)
         return
     pred = cond if isinstance(cond, torch.Tensor) else None  # None: unconditional
     if _local.replay is not None:
@@ -124,119 +124,71 @@ def issue_computed(
     """
     if _local.conditions[-1] is False or not updates:
         return
-    compiling = torch.compiler.is_compiling()
+    how = lookup.choose()
     if origin is None:
-        origin = capture(depth, compiling)
+        origin = how.origin(depth)
     if sync is None:
-        j = journal_for(updates[0][0], compiling)
-        if j is not None and j.record_rows(updates, origin, compiling):
+        j = routing.journal_for(updates[0][0], how)
+        if j is not None and j.record_rows(updates, origin, how):
             return  # the fast path: nothing else pending for these targets
-    j, e = route(updates[0][0], origin, updates[0][1], compiling)
+    j, e = _route(updates[0][0], origin, updates[0][1], how)
     if j is None or e is None:  # outside a step: the eager path, with its checks
         for target, _op, _operand, new in updates:
             issue("assign", target, new, None, None, sync, True, depth + 1)
         return
     items = [(e, updates[0][1], updates[0][2], updates[0][3])]
     for target, op, operand, new in updates[1:]:
-        other = j.find(target, True, compiling)  # the same module's: the same journal
+        other = j.find(target, True, how)  # the same module's: the same journal
         if other is None:
             issue("assign", target, new, None, None, sync, True, depth + 1)
         else:
             items.append((other, op, operand, new))
-    j.record_computed(items, sync, origin, compiling)
+    j.record_computed(items, sync, origin, how)
 
 
-def journal_for(t: torch.Tensor, compiling: bool) -> Journal | None:
-    """The journal of the step whose model has ``t`` as a parameter or buffer (its index as built,
-    no rebuild), or None: a cheap look-up for :func:`issue_computed`'s fast path."""
-    if compiling:
-        j = _holding(t)
-        if j is not None:
-            return j
-    for j in reversed(_local.explicit):
-        if j.index.peek(t) is not None:
-            return j
-    for att in context.attachments:
-        j = att.journal_for(t, compiling)
-        if j is not None:
-            return j
-    return None
+def _route(t: torch.Tensor, origin: Any, op: str, how: Lookup) -> tuple[Any, Any]:
+    """``routing.journal_of``, and the error for a target that a step of this thread cannot own."""
+    j, e = routing.journal_of(t, origin, op, how)
+    if j is None and _local.explicit:
+        _refuse_foreign(_local.explicit[-1], t, origin, op)
+    return j, e
 
 
-def _holding(t: torch.Tensor) -> Journal | None:
-    """Under dynamo: the open journal that has ``t`` as a pending value, found by identity. A pending
-    value is a new tensor every step, and ``id()`` of it (an index look-up) would make dynamo guard
-    on that object: a recompilation per step (gradient accumulation: the later micro-batches read
-    what the earlier ones left pending)."""
-    for j in reversed(_local.explicit):
-        if j.holds(t):
-            return j
-    for att in context.attachments:
-        if att.journal is not None and att.journal.holds(t):
-            return att.journal
-    return None
-
-
-def route(
-    t: torch.Tensor, origin: Origin | str, op: str, compiling: bool = False
-) -> tuple[Journal | None, Entry | None]:
-    """The journal that records updates of target ``t``; ``(None, None)``: apply eagerly."""
-    if compiling:
-        j = _holding(t)
-        if j is not None:
-            e = j.find(t, True, compiling)
-            if e is not None:
-                return j, e
-    for j in reversed(_local.explicit):
-        e = j.find(t, True, compiling)
-        if e is not None:
-            return j, e
-    for att in list(context.attachments):
-        j, e = att.route(t, compiling)
-        if e is not None:
-            return j, e
-    replay = _local.replay
-    if replay is not None:
-        # A recomputation in a thread without the step (autograd's device threads): the journals
-        # live when the segment's forward ran (replay, rule 3; threads)
-        for j in replay.journals:
-            e = j.find(t, True, compiling)
-            if e is not None:
-                return j, e
-    if _local.explicit:
-        j = _local.explicit[-1]
-        mine = type(j.index.model).__name__
-        other = owner_anywhere(t)
-        if other is not None:
-            name, model = other
-            raise UpdateError(
-                f"pu.{op} on {name!r} of {model} at {origin}: the target belongs to a {model}, but the "
-                f"step in progress is for a {mine}, so this update would have no commit. Open the step "
-                f"on a module that contains both (e.g. nn.ModuleDict({{'a': a, 'b': b}})), or issue the "
-                "update outside the step."
-            )
-        if reparametrizing():
-            name = slot_name(j.index.model, t) or describe(t)
-            raise UpdateError(
-                f"pu.{op} on {name!r} at {origin}, inside torch.func.functional_call in {j.label} (for {mine}): "
-                "the tensor it updates was passed to functional_call, so it is not a parameter or "
-                "buffer the step owns, and its update would have no commit. Use pu.func.functional_call(model, "
-                "params_and_buffers, args), which returns the updates as values ({name: new value}), then "
-                "pu.func.commit(model, updates) to commit them with this step; or pass only parameters (the "
-                "model's buffers then take the updates); or call torch.func.functional_call outside the step."
-            )
-        computed = (
-            " It is a computed tensor (it has a grad_fn), e.g. the output of a parametrization "
-            "(torch.nn.utils.parametrize) or of an op: update the stored tensor it is computed from."
-            if t.grad_fn is not None
-            else ""
-        )
+def _refuse_foreign(j: Journal, t: torch.Tensor, origin: Any, op: str) -> None:
+    """A step of this thread is in progress and its model does not own ``t``: the update would have
+    no commit. Say why, and what to do."""
+    mine = type(j.index.model).__name__
+    if reparametrizing():
+        name = slot_name(j.index.model, t) or describe(t)
         raise UpdateError(
-            f"pu.{op} on {describe(t)} at {origin}: the target is not a parameter or buffer of the model "
-            f"of the step in progress ({mine}). Register it on that model "
-            f"(as a pu.Parameter, an nn.Parameter or a buffer), or issue the update outside the step.{computed}"
+            f"pu.{op} on {name!r} at {origin}, inside torch.func.functional_call in {j.label} (for {mine}): "
+            "the tensor it updates was passed to functional_call, so it is not a parameter or buffer the "
+            "step owns, and its update would have no commit. Use pu.func.functional_call(model, "
+            "params_and_buffers, args), which returns the updates as values ({name: new value}), then "
+            "pu.func.commit(model, updates) to commit them with this step; or pass only parameters (the "
+            "model's buffers then take the updates); or call torch.func.functional_call outside the step."
         )
-    return None, None
+    other = owner_anywhere(t)
+    if other is not None:
+        name, model = other
+        raise UpdateError(
+            f"pu.{op} on {name!r} of {model} at {origin}: the target belongs to a {model}, but the "
+            f"step in progress is for a {mine}, so this update would have no commit. Open the step "
+            f"on a module that contains both (e.g. nn.ModuleDict({{'a': a, 'b': b}})), or issue the "
+            "update outside the step."
+        )
+    computed = (
+        " It is a computed tensor (it has a grad_fn), e.g. the output of a parametrization "
+        "(torch.nn.utils.parametrize) or of an op: update the stored tensor it is computed from."
+        if t.grad_fn is not None
+        else ""
+    )
+    raise UpdateError(
+        f"pu.{op} on {describe(t)} at {origin}: the target is not a parameter or buffer of the model "
+        f"of the step in progress ({mine}). Register it on that model "
+        f"(as a pu.Parameter, an nn.Parameter or a buffer), or issue the update outside the step.{computed}"
+    )
+
 
 
 def assign(target: torch.Tensor, value: Any, *, phase: str | None = None, sync: str | None = None) -> None:
@@ -276,9 +228,9 @@ def read(target: torch.Tensor) -> torch.Tensor:
     ``pu.Parameter`` reads its pending value by itself, a buffer through its
     module attribute.
     """
-    for j in live_journals():
-        e = j.find(target, create=False)
-        if e is not None:
-            v = j.current_of(e)
-            return target if v is e.target else overlay.plain(v)
-    return target
+    found = routing.read(target, lookup.choose())
+    if found is None:
+        return target
+    j, e = found
+    v = j.current_of(e)
+    return target if v is e.target else overlay.plain(v)

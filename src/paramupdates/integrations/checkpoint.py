@@ -28,11 +28,13 @@ written); use ``pu.checkpoint``.
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.utils.checkpoint as _tc
+from torch.utils.hooks import RemovableHandle
 
 from .. import hooks
 from ..replay import EagerLog, Segment
@@ -59,7 +61,11 @@ def torch_checkpoint_frame() -> Any:
 
 
 class TorchCheckpointProbe:
-    """The segment probe for plain ``torch.utils.checkpoint(..., use_reentrant=False)``."""
+    """The segment probe for plain ``torch.utils.checkpoint(..., use_reentrant=False)``; it also keeps
+    the modules ``pu.checkpoint`` warned about (held weakly: once per module)."""
+
+    def __init__(self) -> None:
+        self.warned: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
     def active(self) -> bool:
         """(Called outside dynamo's tracing only: the core asks while it does not trace.)"""
@@ -96,13 +102,10 @@ def _contexts() -> tuple[Any, Any]:
     return seg.forward(), seg.recompute()
 
 
-_WARNED: set[int] = set()
-
-
 def _warn_plain_batchnorm(fn: Any) -> None:
     """torch.nn batch norms write in place, out of reach of the replay: say so once per module."""
     mod = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
-    if not isinstance(mod, torch.nn.Module) or id(mod) in _WARNED or not mod.training:
+    if not isinstance(mod, torch.nn.Module) or mod in PROBE.warned or not mod.training:
         return
     from ..nn.batchnorm import UpdateSafeBatchNorm
 
@@ -112,7 +115,7 @@ def _warn_plain_batchnorm(fn: Any) -> None:
         if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(m, UpdateSafeBatchNorm)
     ]
     if plain:
-        _WARNED.add(id(mod))
+        PROBE.warned.add(mod)
         warnings.warn(
             f"pu.checkpoint: {plain[:3]} are torch.nn batch norms; they update their statistics in place "
             "and the recomputation updates them again. Convert the model first: model = pu.convert(model).",
@@ -162,4 +165,8 @@ def checkpoint(
 
 
 PROBE = TorchCheckpointProbe()
-HANDLE = hooks.register_segment_probe(PROBE)
+
+
+def install() -> list[RemovableHandle]:
+    """Register the segment probe (``paramupdates/__init__.py`` calls it)."""
+    return [hooks.register_segment_probe(PROBE)]

@@ -33,6 +33,7 @@ import sys
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from .. import hooks
 from ..origin import is_internal, relative
@@ -86,4 +87,6 @@ class DynamoSupport:
         return in_optimizer(optimizer, t)
 
 
-HANDLE = hooks.register_tracing_support(DynamoSupport())
+def install() -> list[RemovableHandle]:
+    """Register the tracing support (``paramupdates/__init__.py`` calls it)."""
+    return [hooks.register_tracing_support(DynamoSupport())]

@@ -72,6 +72,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.hooks import RemovableHandle
 
 from .. import hooks, sharding
 from ..errors import UpdateError, listed
@@ -429,4 +430,6 @@ class DistributedSync:
         apply_eager(op, target, operand, key, cond, sync, name, origin)
 
 
-HANDLE = hooks.register_sync_backend(DistributedSync())
+def install() -> list[RemovableHandle]:
+    """Register the sync backend (``paramupdates/__init__.py`` calls it)."""
+    return [hooks.register_sync_backend(DistributedSync())]

@@ -58,6 +58,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from .. import hooks, sharding
 from ..errors import UpdateError
@@ -409,4 +410,8 @@ def sharded_copy(model: nn.Module) -> nn.Module:
 
 
 HOOKS = FSDPHooks()
-_HANDLE = hooks.register_sharding_support(HOOKS)
+
+
+def install() -> list[RemovableHandle]:
+    """Register the sharding support (``paramupdates/__init__.py`` calls it)."""
+    return [hooks.register_sharding_support(HOOKS)]

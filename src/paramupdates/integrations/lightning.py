@@ -93,9 +93,9 @@ from typing import Any, Unpack
 import lightning.pytorch as pl
 from torch import nn
 
+from ..attach import Attachment, attach
 from ..errors import UpdateError
 from ..options import StepOptionsDict, make_options
-from ..step import Attachment, attach
 
 __all__ = ["ParamUpdates"]
 

@@ -36,13 +36,15 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
+from torch.utils.hooks import RemovableHandle
 
-from .. import hooks
+from .. import hooks, state
 from ..errors import UpdateError
 from ..ops import apply_op
 
-# id(output tensor) -> (weakref to it, weakref to its ParametrizationList, display name)
-_OUTPUTS: dict[int, tuple[weakref.ref, weakref.ref, str]] = {}
+_OUTPUTS = state.process.parametrized
+"""A parametrization's output tensor (held weakly) -> (its ``ParametrizationList``, held weakly, and
+the parametrized tensor's display name)."""
 _HOOKED_ATTR = "_pu_parametrize_hook"
 
 
@@ -58,23 +60,22 @@ def track(module: nn.Module, qualified_name: str) -> None:
 
     def hook(_m: nn.Module, _inputs: Any, output: Any) -> None:
         if isinstance(output, torch.Tensor):
-            key = id(output)
-            _OUTPUTS[key] = (weakref.ref(output, lambda _r, k=key: _OUTPUTS.pop(k, None)), plist_ref, shown)
+            _OUTPUTS[output] = (plist_ref, shown)
 
     setattr(module, _HOOKED_ATTR, module.register_forward_hook(hook))
 
 
 def source(t: torch.Tensor) -> tuple[parametrize.ParametrizationList, str] | None:
     """The ``ParametrizationList`` that produced ``t`` and the parametrized tensor's name, if any."""
-    if not _OUTPUTS:  # no parametrized tensor alive: nothing to look up (and no id() under tracing)
+    if not _OUTPUTS.data:  # no parametrized tensor alive: nothing to look up (and nothing dynamo cannot trace)
         return None
-    rec = _OUTPUTS.get(id(t))
-    if rec is None or rec[0]() is not t:
+    rec = _OUTPUTS.get(t)
+    if rec is None:
         return None
-    plist = rec[1]()
+    plist = rec[0]()
     if plist is None:
         return None
-    return plist, rec[2]
+    return plist, rec[1]
 
 
 def originals(plist: parametrize.ParametrizationList) -> list[torch.Tensor]:
@@ -136,4 +137,6 @@ def resolve(
     return inverse(plist, name, op, target, operand, key, origin)
 
 
-HANDLES = (hooks.register_module_visitor(track), hooks.register_target_resolver(resolve))
+def install() -> list[RemovableHandle]:
+    """Register the module visitor and the target resolver (``paramupdates/__init__.py`` calls it)."""
+    return [hooks.register_module_visitor(track), hooks.register_target_resolver(resolve)]

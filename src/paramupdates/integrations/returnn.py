@@ -84,14 +84,14 @@ except ImportError as _e:  # pragma: no cover - depends on the environment
         f"(or: pip install returnn dm-tree). ({_e})"
     ) from _e
 
+from ..attach import Attachment
+from ..attach import attach as _pu_attach
 from ..errors import AmbiguousOrderError, UpdateError
 from ..options import StepOptionsDict, make_options
 from ..parameter import Parameter
 from ..phases import ISSUE_PHASES
 from ..rules.constraints import constrain as _pu_constrain
 from ..rules.weight_decay import weight_decay as _pu_weight_decay
-from ..step import Attachment
-from ..step import attach as _pu_attach
 from ..updates import assign as _pu_assign
 from ..updates import assign_add as _pu_assign_add
 from ..updates import assign_key as _pu_assign_key

@@ -82,10 +82,10 @@ from torch import nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from ..attach import Attachment, attach
 from ..errors import UpdateError, listed
 from ..options import StepOptionsDict, make_options
 from ..origin import call_site
-from ..step import Attachment, attach
 
 __all__ = ["STATE_NAME", "ParamUpdates"]
 

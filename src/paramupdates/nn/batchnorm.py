@@ -45,7 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import context, hooks
+from .. import hooks, routing
+from ..conditions import current as current_condition
 from ..origin import Origin
 from ..updates import assign, issue_computed
 
@@ -55,14 +56,9 @@ __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "Update
 def _nothing_records() -> bool:
     """True when an update issued now would simply apply in place: no step, attachment,
     condition, checkpoint segment, recomputation, transform or compilation is active."""
-    if (
-        context.local.explicit
-        or context.attachments
-        or context.local.replay is not None
-        or context.local.eager_log is not None
-    ):
+    if not routing.nothing_records():
         return False
-    if context.local.conditions[-1] is not None or torch.compiler.is_compiling():
+    if current_condition() is not None or torch.compiler.is_compiling():
         return False
     if torch._C._functorch.maybe_current_level() is not None:
         return False
@@ -162,7 +158,7 @@ class UpdateSafeBatchNorm:
             counted.append((nbt, "assign_add", 1, new_nbt))
             if self.momentum is None:
                 # the cumulative average uses the incremented count (as a pu.when condition leaves it)
-                cond = context.local.conditions[-1]
+                cond = current_condition()
                 seen = torch.where(cond, new_nbt, nbt) if isinstance(cond, Tensor) else new_nbt
                 factor = 1.0 / float(seen)
         if _under_functorch():

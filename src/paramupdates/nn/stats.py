@@ -8,9 +8,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import context
+from .. import routing
+from ..attach import refuse_pending_attachment
 from ..errors import UpdateError
-from ..step import Stepper, refuse_pending_attachment
+from ..step import Stepper
 from .batchnorm import UpdateSafeBatchNorm
 
 
@@ -48,9 +49,9 @@ def recompute_batchnorm_stats(model: nn.Module, loader: Iterable[Any], device: A
             f"pu.recompute_batchnorm_stats: {plain[:3]} are torch.nn batch norms, which write their "
             "statistics in place. Call model = pu.convert(model) first (weights and statistics are kept)."
         )
-    if context.local.explicit:
+    if routing.explicit():
         raise UpdateError(
-            f"pu.recompute_batchnorm_stats: {context.local.explicit[-1].label} is in progress. "
+            f"pu.recompute_batchnorm_stats: {routing.explicit()[-1].label} is in progress. "
             "Call it outside a step (it runs as a step of its own)."
         )
     bns = [m for m in model.modules() if isinstance(m, UpdateSafeBatchNorm) and m.track_running_stats]

@@ -20,27 +20,46 @@ Caching, one boundary each (the rows of ``benchmarks/rules.py`` they were kept f
 
 from __future__ import annotations
 
-import itertools
 import os
 import sys
 import warnings
-import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import hooks, sharding
+from .. import hooks, sharding, state
 from ..errors import UpdateError, listed
 from ..origin import call_site
 from ..schedule import ScheduleEntry
 from .common import has_subclass, storage_key
 
 if TYPE_CHECKING:
-    from ..commit import CommitContext
     from ..targets import ModelIndex
 
-_SEQ = itertools.count()
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+class CommitContext:
+    """What rules see at commit: the optimizer, the model index, the learning rate of a parameter."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer | None, index: ModelIndex) -> None:
+        self.optimizer = optimizer
+        self.index = index
+        self._lr: dict[int, float | None] | None = None
+
+    def lr_of(self, p: torch.Tensor) -> float | None:
+        """The learning rate of ``p``'s optimizer param group (None if not in it)."""
+        if self.optimizer is None:
+            return None
+        if self._lr is None:
+            self._lr = {}
+            for g in self.optimizer.param_groups:
+                lr = g.get("lr")
+                lr = float(lr) if lr is not None else None
+                for q in g["params"]:
+                    self._lr[id(q)] = lr
+        return self._lr.get(id(p))  # (the optimizer holds its parameters for this commit)
+
 
 
 class Rule:
@@ -80,7 +99,7 @@ class Rule:
         if origin is None:
             origin = call_site(2)
         self.origin = origin
-        self.seq = next(_SEQ)
+        self.seq = next(state.process.rule_seq)
 
     # --- ownership -------------------------------------------------------
     def tensors(self) -> list[torch.Tensor]:
@@ -197,24 +216,19 @@ class Rule:
 
 
 # --- the registry -----------------------------------------------------------
-_RULES: list[Rule] = []
-_version = 0  # bumped when a rule is declared or removed
-_APPLIES: weakref.WeakKeyDictionary[ModelIndex, tuple[int, int, list[Rule]]] = weakref.WeakKeyDictionary()
-
-
 def register(rule: Rule) -> Rule:
-    """Add a rule to the registry (declaration order is commit order).
+    """Add a rule to the registry (``state.process.rules``; declaration order is commit order).
 
     A rule of the same kind (:meth:`Rule.same_kind`) declared earlier on some of the same tensors
     loses them to this one, with a warning naming both call sites: declaring again (a re-run
     notebook cell) replaces, it never applies a rule twice. The same rule again (same kind, same
     tensors, equal :meth:`Rule.settings`) takes the earlier one's place in the order, quietly."""
-    global _version
+    registry = state.process.rules
     key = rule.same_kind()
     if key is not None:
         ids = {id(t) for t in rule.owner_tensors()}
         settings = rule.settings()
-        for old in list(_RULES):
+        for old in list(registry):
             if old is rule or old.same_kind() != key:
                 continue
             covered = {id(t) for t in old.owner_tensors()}
@@ -222,8 +236,9 @@ def register(rule: Rule) -> Rule:
             if not common:
                 continue
             if settings is not None and common == ids == covered and old.settings() == settings:
-                _RULES[_RULES.index(old)] = rule  # nothing changes: no warning
-                _version += 1
+                rule.seq = old.seq  # nothing changes: no warning, the same place in the order
+                registry[registry.index(old)] = rule
+                state.bump_rules()
                 return rule
             names = old.names_of(common)
             shown = listed(list(map(repr, names)), 4)
@@ -236,9 +251,9 @@ def register(rule: Rule) -> Rule:
                 stacklevel=_user_stacklevel(),
             )
             if old.drop(common):
-                _RULES.remove(old)
-    _RULES.append(rule)
-    _version += 1
+                registry.remove(old)
+    registry.append(rule)
+    state.bump_rules()
     return rule
 
 
@@ -254,70 +269,80 @@ def _user_stacklevel() -> int:
 
 def unregister(rule: Rule) -> None:
     """Remove a rule from the registry (no-op if it is not there)."""
-    global _version
-    if rule in _RULES:
-        _RULES.remove(rule)
-        _version += 1
+    registry = state.process.rules
+    if rule in registry:
+        registry.remove(rule)
+        state.bump_rules()
 
 
 def clear() -> None:
     """Undeclare every rule."""
-    global _version
-    _RULES.clear()
-    _APPLIES.clear()
-    _version += 1
+    state.process.rules.clear()
+    state.bump_rules()
 
 
 def declared() -> list[Rule]:
     """Every declared rule, in declaration order."""
-    return list(_RULES)
+    return sorted(state.process.rules, key=_seq)
+
+
+def _seq(rule: Rule) -> int:
+    return rule.seq
 
 
 def rules_for(index: ModelIndex) -> list[Rule]:
-    """The live rules that apply to ``index``'s model (it owns their tensors), in declaration order.
+    """The live rules that apply to ``index``'s model (it owns some of their tensors), in declaration
+    order: kept on the index, made again when a rule is declared or removed or the model's tensors
+    change (``index.rules_key``).
 
-    Cached per model until a rule is declared or removed or the model's tensors change.
-    """
-    dead = [r for r in _RULES if not r.alive()]
-    for r in dead:
-        applied = r.__dict__.get("_applied_to")
-        if applied is not None and index in applied and index.model is not None:
+    A rule that applied to the model and died since (what it was declared on was replaced or
+    removed), or that can no longer follow a tensor by name, makes this commit raise. Only the rules
+    that may apply to this model follow their tensors anew (:meth:`Rule.resync`), and they read the
+    stored tensors behind any pending values the module slots show: another model's step in progress
+    changes nothing of this model's rules."""
+    model = index.model
+    for r in index.rules:
+        if not r.alive() and r in state.process.rules and model is not None:
             raise UpdateError(
-                f"{r.describe()} declared at {r.origin} applied to {type(index.model).__name__}, whose tensors it "
+                f"{r.describe()} declared at {r.origin} applied to {type(model).__name__}, whose tensors it "
                 "covered are gone from the model (the module it was declared on was replaced or removed). Nothing "
                 "of this step was written. Declare the rule again on the model as it is now, or call .remove() "
                 "on it."
             )
-    for r in _RULES:
+    registry = state.process.rules
+    for r in registry:
         lost = r.lost_names()
         if lost and index.module_name(r.root()) is not None:
             shown = listed(list(map(repr, lost)), 4)
             raise UpdateError(
-                f"{r.describe()} declared at {r.origin} covers {shown}, which {type(index.model).__name__} "
+                f"{r.describe()} declared at {r.origin} covers {shown}, which {type(model).__name__} "
                 "no longer has under that name (a layer removed or renamed after the declaration). Nothing of "
                 "this step was written. Declare the rule again on the model as it is now, or call .remove() "
                 "on it."
             )
+    key = (state.process.rules_version, index.generation)
+    if index.rules_key == key:
+        return index.rules
+    dead = [r for r in registry if not r.alive()]
     if dead:
         support = hooks.sharding_support()  # sharding hook: rules whose parameters fully_shard replaced
         if support is not None:
             support.lost_rules(index, dead)
-    for r in dead:
-        unregister(r)
-    hit = _APPLIES.get(index)
-    if hit is not None and hit[0] == _version and hit[1] == index.generation:
-        return hit[2]
-    for r in _RULES:
+        for r in dead:
+            registry.remove(r)
+        state.bump_rules()
+    out = []
+    for r in registry:
+        root = r.root()
+        if root is not None and index.module_name(root) is None and not index.owns_any(r.owner_tensors()):
+            continue  # declared on a module elsewhere: not this model's to follow
         r.resync()
-    out = [r for r in _RULES if index.owns_any(r.owner_tensors())]
-    for r in out:
-        r.adopt(index)
-        applied = r.__dict__.get("_applied_to")
-        if applied is None:
-            applied = r.__dict__["_applied_to"] = weakref.WeakSet()
-        applied.add(index)  # (a rule that dies later while this model lives: an error at its commit)
-    _APPLIES[index] = (_version, index.generation, out)
-    return out
+        if index.owns_any(r.owner_tensors()):
+            r.adopt(index)
+            out.append(r)
+    index.rules = sorted(out, key=_seq)
+    index.rules_key = (state.process.rules_version, index.generation)
+    return index.rules
 
 
 # --- one pass over the storage of every rule's tensors ------------------------
@@ -353,7 +378,8 @@ class RuleSet:
             self._record(rules, ctx)
 
     def _signature(self, rules: list[Rule], ctx: CommitContext) -> tuple[Any, ...]:
-        return (len(rules), ctx.index.generation, id(ctx.optimizer))
+        # (the rule set belongs to one model index and one optimizer: ``ModelIndex.caches_for``)
+        return (len(rules), ctx.index.generation, ctx.index.rules_key)
 
     def _revalidate(self, rules: list[Rule], ctx: CommitContext) -> bool:
         if self._sig is None or self._sig != self._signature(rules, ctx):

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import context, hooks, sharding
+from .. import hooks, routing, sharding
 from ..errors import UpdateError, listed
 from ..targets import index_of, index_owning
 
@@ -80,34 +80,25 @@ def refuse_inside_step(fn: str, origin: str, tensors: Iterable[torch.Tensor] = (
     other models, and attachments whose pending updates touch other tensors (a forgotten attachment
     of another model), are no obstacle."""
     tensors = list(tensors)
-    ids = {id(t) for t in tensors}
-    if not ids:
+    if not tensors:
         return
-    for j in context.local.explicit:
+    for j in routing.explicit():
         if j.index.owns_any(tensors):
             raise UpdateError(
                 f"{fn} at {origin} was called inside {j.label}, a step of the model it is declared on. "
                 "Declare rules before training (or between steps)."
             )
-    owners = [(j.label, j, None) for j in context.local.explicit]
-    owners += [(a.label, a.journal, a) for a in context.attachments if a.journal is not None]
-    for label, j, att in owners:
-        # (a module's buffer slot shows the pending value: its id counts as the target's)
-        names = [
-            e.name for e in j.entries.values() if e.value is not None and (id(e.target) in ids or id(e.value) in ids)
-        ]
-        names += [row[1].name for row in j.rows if id(row[0]) in ids or id(row[4]) in ids]
-        if names:
-            shown = listed(list(map(repr, names)))
-            fix = (
-                "Call flush() (commit them now) or discard() (drop them) on that attachment first"
-                if att is not None
-                else "Declare it before the step (or between steps)"
-            )
-            raise UpdateError(
-                f"{fn} at {origin}: {label} holds pending updates of {shown}, which this rule is declared on; "
-                f"rules are declared on committed values. {fix}."
-            )
+    for label, _j, att, names in routing.pending_of(tensors):
+        shown = listed(list(map(repr, names)))
+        fix = (
+            "Call flush() (commit them now) or discard() (drop them) on that attachment first"
+            if att is not None
+            else "Declare it before the step (or between steps)"
+        )
+        raise UpdateError(
+            f"{fn} at {origin}: {label} holds pending updates of {shown}, which this rule is declared on; "
+            f"rules are declared on committed values. {fix}."
+        )
 
 
 def adopt_known(rule: Any, root: Any) -> None:
@@ -137,6 +128,29 @@ def check_declared(named: Named, root: Any, fn: str, origin: str) -> None:
     support = hooks.sharding_support()  # sharding hook
     if support is not None:
         support.check_declared(named, root, fn, origin)
+
+
+def slot_tensor(root: nn.Module, name: str) -> torch.Tensor | None:
+    """The parameter or buffer ``name`` of ``root``: the stored tensor, also where its module slot shows
+    a pending value of a step in progress (of this model or another: read-your-writes, rule 1)."""
+    try:
+        t = root.get_parameter(name)
+    except AttributeError:
+        try:
+            t = root.get_buffer(name)
+        except AttributeError:
+            return None
+    return routing.stored(t)
+
+
+def stored_named(module: nn.Module, kind: str) -> list[tuple[str, torch.Tensor]]:
+    """``module.named_parameters()`` / ``named_buffers()`` (``kind``), with the stored tensor where a
+    slot shows a pending value."""
+    items = list(getattr(module, f"named_{kind}")())
+    if not routing.anything_open():
+        return items
+    journals = routing.live_journals(routing.PROCESS)
+    return [(n, routing.stored(t, journals)) for n, t in items]
 
 
 class WeakList:
@@ -196,13 +210,7 @@ class WeakList:
             return
         for i, t in enumerate(out):
             if t is None:
-                try:
-                    t = root.get_parameter(self._names[i])
-                except AttributeError:
-                    try:
-                        t = root.get_buffer(self._names[i])
-                    except AttributeError:
-                        t = None
+                t = slot_tensor(root, self._names[i])
                 if t is not None:
                     self._refs[i] = weakref.ref(t, self._on_death)
                     out[i] = t
@@ -217,13 +225,9 @@ class WeakList:
             return False
         changed = False
         for i, name in enumerate(self._names):
-            try:
-                t = root.get_parameter(name)
-            except AttributeError:
-                try:
-                    t = root.get_buffer(name)
-                except AttributeError:
-                    continue
+            t = slot_tensor(root, name)
+            if t is None:
+                continue
             old = self._refs[i]()
             if t is not None and t is not old:
                 if old is not None and sharding.is_sharded(old) and not sharding.is_sharded(t):

@@ -70,7 +70,7 @@ from .common import (
 )
 
 if TYPE_CHECKING:
-    from ..commit import CommitContext
+    from .base import CommitContext
 
 EPSILON = 1e-7  # keras.backend.epsilon()
 

@@ -66,24 +66,34 @@ from __future__ import annotations
 import copy
 import math
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from .. import hooks, sharding
+from .. import hooks, routing, sharding, state
 from ..errors import UpdateError
 from ..origin import call_site
 from ..phases import AFTER_STEP
 from ..schedule import ScheduleEntry
 from .base import Rule, register
-from .common import check_declared, has_subclass, no_subclass, plain_if, refuse_inside_step, storage_key, where
+from .common import (
+    check_declared,
+    has_subclass,
+    no_subclass,
+    plain_if,
+    refuse_inside_step,
+    storage_key,
+    stored_named,
+    where,
+)
 
 if TYPE_CHECKING:
-    from ..commit import CommitContext
     from ..targets import ModelIndex
+    from .base import CommitContext
 
 COUNTER = "pu_ema_updates"
 """The name of the averaged copy's buffer that holds ``t`` (the number of EMA updates so far)."""
@@ -115,9 +125,7 @@ class TimmWarmup:
 
 Warmup = bool | float | int | str | TimmWarmup | Callable[[int], float] | None
 
-_PRESETS: dict[str, Any] = {"timm": TimmWarmup()}
-
-_BY_COPY: weakref.WeakKeyDictionary[nn.Module, weakref.ref[EMA]] = weakref.WeakKeyDictionary()
+_PRESETS: Mapping[str, Any] = MappingProxyType({"timm": TimmWarmup()})
 
 
 class EMA(Rule):
@@ -172,7 +180,7 @@ class EMA(Rule):
         dst: list[torch.Tensor] = []
         avg: list[bool] = []
         for kind in ("parameters", "buffers"):
-            a = dict(getattr(model, f"named_{kind}")())
+            a = dict(stored_named(model, kind))  # (not a pending value a slot shows: rule 1)
             b = dict(getattr(module, f"named_{kind}")())
             for name, t in a.items():
                 if name not in b:
@@ -212,7 +220,7 @@ class EMA(Rule):
             return
         owner, attr, kind = first
         mod = owner()
-        now0 = getattr(mod, kind).get(attr) if mod is not None else None
+        now0 = routing.stored(getattr(mod, kind).get(attr)) if mod is not None else None
         if sharding.is_sharded(self._src[0]) and not sharding.is_sharded(now0):
             return  # inside FSDP's forward/backward the slot holds its temporary unsharded parameter
         if now0 is not None and now0 is not self._src[0]:
@@ -220,7 +228,7 @@ class EMA(Rule):
         elif not full:
             return
         else:
-            now = [*(t for _, t in model.named_parameters()), *(t for _, t in model.named_buffers())]
+            now = [t for kind in ("parameters", "buffers") for _, t in stored_named(model, kind)]
             if len(now) == len(self._src) and all(a is b for a, b in zip(now, self._src)):
                 return
         support = hooks.sharding_support()  # sharding hook: shard the copy like the model
@@ -273,8 +281,9 @@ class EMA(Rule):
         # decays are a pattern; an EMA of a submodule is another kind)
         w = self.warmup
         code = getattr(w, "__code__", None)
-        warmup = (code.co_filename, code.co_firstlineno) if code is not None else w if not callable(w) else id(w)
-        return ("ema", id(self._model()), self.decay, warmup, self.include_buffers, self._dtype, self._device)
+        warmup = (code.co_filename, code.co_firstlineno) if code is not None else w
+        # the model itself (compared by identity; a key is made to compare, never kept)
+        return ("ema", self._model(), self.decay, warmup, self.include_buffers, self._dtype, self._device)
 
     def describe(self) -> str:
         return "pu.ema"
@@ -557,7 +566,7 @@ def ema(
     rule = EMA(model, module, decay, warmup, bool(include_buffers), origin, dtype=dtype, device=dev)
     rule.foreach = foreach is not False
     register(rule)
-    _BY_COPY[module] = weakref.ref(rule)
+    state.process.ema_copies[module] = weakref.ref(rule)
     return module
 
 
@@ -574,7 +583,7 @@ def _slot_of(model: nn.Module, name: str) -> tuple[weakref.ref, str, str] | None
 
 def rule_of(averaged: nn.Module) -> EMA:
     """The :class:`EMA` rule that updates ``averaged`` (a module returned by :func:`ema`)."""
-    ref = _BY_COPY.get(averaged)
+    ref = state.process.ema_copies.get(averaged)
     rule = ref() if ref is not None else None
     if rule is None:
         raise ValueError("not a module returned by pu.ema (or its model is gone)")

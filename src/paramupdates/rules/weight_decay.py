@@ -53,7 +53,7 @@ from .common import (
 )
 
 if TYPE_CHECKING:
-    from ..commit import CommitContext
+    from .base import CommitContext
 
 Exclude = Callable[[str, torch.Tensor], bool]
 _grad_of = torch._C.TensorBase.grad.__get__  # the C getter, mapped without a Python-level loop

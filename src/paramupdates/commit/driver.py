@@ -39,49 +39,25 @@ restores everything bitwise.
 
 from __future__ import annotations
 
-import itertools
-import math
-import operator
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
-from . import context, hooks, overlay, sharding
-from .errors import UpdateError, listed
-from .ops import apply_op
-from .phases import AFTER_OPTIMIZER, AFTER_STEP, AUXILIARY, BEFORE_GRAD, GRAD, PHASES
+from .. import hooks, overlay, routing, sharding
+from ..errors import UpdateError, listed
+from ..ops import apply_op
+from ..phases import AFTER_OPTIMIZER, AFTER_STEP, AUXILIARY, BEFORE_GRAD, GRAD, PHASES
+from ..records import Entry, Issued
+from ..rules.base import CommitContext, Rule, RuleSet, rules_for
+from ..schedule import Schedule, ScheduleEntry
+from .finite import finite_flag, nonfinite, optimizer_grads, pending_values
 from .rollback import Rollback, SnapshotPool
-from .rules.base import Rule, RuleSet, rules_for
-from .schedule import Schedule, ScheduleEntry
 
 if TYPE_CHECKING:
-    from .journal import Entry, Journal
-    from .options import StepOptions
-
-
-class CommitContext:
-    """What rules see at commit: the optimizer, the model index, the learning rate of a parameter."""
-
-    def __init__(self, commit: Commit) -> None:
-        self.commit = commit
-        self.optimizer = commit.optimizer
-        self.index = commit.journal.index
-        self._lr: dict[int, float | None] | None = None
-
-    def lr_of(self, p: torch.Tensor) -> float | None:
-        """The learning rate of ``p``'s optimizer param group (None if not in it)."""
-        if self.optimizer is None:
-            return None
-        if self._lr is None:
-            self._lr = {}
-            for g in self.optimizer.param_groups:
-                lr = g.get("lr")
-                lr = float(lr) if lr is not None else None
-                for q in g["params"]:
-                    self._lr[id(q)] = lr
-        return self._lr.get(id(p))
+    from ..journal import Journal
+    from ..options import StepOptions
 
 
 class Commit:
@@ -148,11 +124,26 @@ class Commit:
         return out
 
     def begin(self) -> bool:
-        """Stop showing pending values, reduce synced ones, check finiteness. False: skip this step."""
+        """Stop showing pending values, refuse what cannot commit, take the rules, reduce synced values,
+        check finiteness (where asked). False: skip this step. Every check runs before any write."""
         j = self.journal
         j.state = "committing"
         j.hide()
         self.state = "begun"
+        self._refuse_unwritable()
+        self._take_rules()
+        params, grads = self._grads_to_check()
+        sharded = j.any_sharded or sharding.any_sharded(grads)
+        remote_bad, agreed = self._reduce_synced(grads, sharded)
+        remote_bad = self._agree_sharded(grads, sharded, remote_bad, agreed)
+        if self.options.check_finite:
+            return self._decide_finite(params, grads, sharded, remote_bad)
+        return True
+
+    def _refuse_unwritable(self) -> None:
+        """A model on the meta device, or targets converted or replaced while their updates were
+        pending: nothing of the step can be written."""
+        j = self.journal
         if j.index.has_meta and j.index.meta_names():
             names = j.index.meta_names()
             self._end("aborted")
@@ -171,7 +162,11 @@ class Commit:
                 "the step was written; the model keeps the conversion, applied to the stored values. "
                 "Convert the model between steps: before the first update of a step, or after its commit."
             )
-        rules = rules_for(j.index)
+
+    def _take_rules(self) -> None:
+        """The rules of this commit (the model's; without an optimizer, only those that run in every
+        committed step) and what rollback keeps of them."""
+        rules = rules_for(self.journal.index)
         if self.optimizer is None:
             # rules that belong to the gradient update run once per real optimizer update (read-your-writes, rule 1)
             rules = [r for r in rules if not r.per_optimizer_update]
@@ -180,70 +175,87 @@ class Commit:
         self.rollback.fallible_left = (1 if self.optimizer is not None else 0) + sum(
             1 for r in rules if not r.infallible
         )
-        opts = self.options
-        # The gradients the optimizer will use are checked with the pending values (validated
-        # commit, rule 7): as torch.amp.GradScaler does, in the same batched reduction.
-        params, grads = _grads(self.optimizer) if opts.check_finite and self.optimizer is not None else ([], [])
-        sharded = j.any_sharded or sharding.any_sharded(grads)
+
+    def _grads_to_check(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The parameters and gradients the optimizer will use, when finiteness is checked: they are
+        checked with the pending values (validated commit, rule 7), as ``torch.amp.GradScaler`` does."""
+        if self.options.check_finite and self.optimizer is not None:
+            return optimizer_grads(self.optimizer)
+        return [], []
+
+    def _reduce_synced(self, grads: list[torch.Tensor], sharded: bool) -> tuple[int, bool]:
+        """Rule 9: reduce the synced values across ranks; the other ranks' finiteness of their unsynced
+        values rides along, so all ranks decide alike. Returns (ranks with non-finite values, whether
+        every rank of the group learnt that number)."""
+        j, opts = self.journal, self.options
         synced = j.synced
-        remote_bad = 0
-        agreed = False  # every rank of the group learnt how many ranks have non-finite pending values
-        if synced:
-            backend = hooks.sync_backend(self.label)
-            backend.check_rules(self, synced)
-            if backend.active(opts.process_group):
-                # Rule 9: reduce the synced values; other ranks' finiteness of their
-                # unsynced values rides along, so all ranks decide alike.
-                local_bad = False
-                if opts.check_finite:
-                    ok = _finite_flag(_pending_values(j, unsynced=True), sharded, self._rows_grouped(), grads)
-                    local_bad = ok is not None and not bool(ok)
-                remote_bad = backend.reduce(self, synced, local_bad)
-                agreed = opts.process_group is None and any(not e.sharded for e in synced)
-        support = hooks.sharding_support()
-        if support is not None and (j.entries or j.rows) and support.model_sharded(j.index):
-            # sharding hook: the ranks of a sharded model hold one model between them, so they skip or
-            # raise together (one small all-reduce, unless the sync above carried it), and no write may
-            # go into a parameter whose memory FSDP has freed.
-            self._guard_storage()
-            if opts.check_finite and not agreed:
-                ok = _finite_flag(_pending_values(j), sharded, self._rows_grouped(), grads)
-                remote_bad = support.agree_nonfinite(self, ok is not None and not bool(ok))
+        if not synced:
+            return 0, False
+        backend = hooks.sync_backend(self.label)
+        backend.check_rules(self, synced)
+        if not backend.active(opts.process_group):
+            return 0, False
+        local_bad = False
         if opts.check_finite:
-            bad, bad_grads = _nonfinite(j, self._rows_grouped(), grads, sharded)
-            if bad_grads and not bad and not remote_bad and self._scaler() is not None:
-                # a scaled gradient overflowed: the scaler's business (torch.amp.GradScaler semantics)
-                self.skipped = True
-                self._end("done")
-                self._scaler_skip()
-                return False
-            if bad or bad_grads or remote_bad:
-                if opts.on_nonfinite == "skip":
-                    self.skipped = True
-                    self._end("done")
-                    return False
-                self._end("aborted")
-                if not bad and not bad_grads:
-                    raise UpdateError(
-                        f"{self.label}: {remote_bad} other rank(s) have non-finite pending values in this "
-                        "step (see their error). Nothing was written on any rank. Fix the value, or pass "
-                        "on_nonfinite='skip' to drop such steps (they are counted, on every rank alike)."
-                    )
-                if bad:
-                    lines = listed([f"{e.name!r} (last update at {e.records[-1].origin})" for e in bad], 5, "; ")
-                    raise UpdateError(
-                        f"{self.label}: non-finite pending value for {lines}. Nothing was written. "
-                        "Fix the value, or pass on_nonfinite='skip' to drop such steps (they are counted)."
-                    )
-                names = listed([repr(self._param_name(params[i])) for i in bad_grads], 5)
-                raise UpdateError(
-                    f"{self.label}: non-finite gradient of {names}, which "
-                    f"{type(self.optimizer).__name__}.step() would write into the parameter. Nothing was "
-                    "written. Fix the loss, the data or the learning rate; or pass on_nonfinite='skip' to skip "
-                    "such steps as torch.amp.GradScaler does (the whole step, counted in skipped_steps); or "
-                    "check_finite=False to let the optimizer take them."
-                )
-        return True
+            ok = finite_flag(pending_values(j, unsynced=True), sharded, self._rows_grouped(), grads)
+            local_bad = ok is not None and not bool(ok)
+        remote_bad = backend.reduce(self, synced, local_bad)
+        return remote_bad, opts.process_group is None and any(not e.sharded for e in synced)
+
+    def _agree_sharded(self, grads: list[torch.Tensor], sharded: bool, remote_bad: int, agreed: bool) -> int:
+        """Sharding hook: the ranks of a sharded model hold one model between them, so they skip or raise
+        together (one small all-reduce, unless the sync carried it), and no write may go into a
+        parameter whose memory FSDP has freed."""
+        j = self.journal
+        support = hooks.sharding_support()
+        if support is None or not (j.entries or j.rows) or not support.model_sharded(j.index):
+            return remote_bad
+        self._guard_storage()
+        if self.options.check_finite and not agreed:
+            ok = finite_flag(pending_values(j), sharded, self._rows_grouped(), grads)
+            remote_bad = support.agree_nonfinite(self, ok is not None and not bool(ok))
+        return remote_bad
+
+    def _decide_finite(
+        self, params: list[torch.Tensor], grads: list[torch.Tensor], sharded: bool, remote_bad: int
+    ) -> bool:
+        """The finiteness check (one batched reduction, one host sync): True to go on; False to skip
+        the step; or an :class:`UpdateError` naming the non-finite targets or gradients."""
+        j, opts = self.journal, self.options
+        bad, bad_grads = nonfinite(j, self._rows_grouped(), grads, sharded)
+        if bad_grads and not bad and not remote_bad and self._scaler() is not None:
+            # a scaled gradient overflowed: the scaler's business (torch.amp.GradScaler semantics)
+            self.skipped = True
+            self._end("done")
+            self._scaler_skip()
+            return False
+        if not (bad or bad_grads or remote_bad):
+            return True
+        if opts.on_nonfinite == "skip":
+            self.skipped = True
+            self._end("done")
+            return False
+        self._end("aborted")
+        if not bad and not bad_grads:
+            raise UpdateError(
+                f"{self.label}: {remote_bad} other rank(s) have non-finite pending values in this "
+                "step (see their error). Nothing was written on any rank. Fix the value, or pass "
+                "on_nonfinite='skip' to drop such steps (they are counted, on every rank alike)."
+            )
+        if bad:
+            lines = listed([f"{e.name!r} (last update at {e.records[-1].origin})" for e in bad], 5, "; ")
+            raise UpdateError(
+                f"{self.label}: non-finite pending value for {lines}. Nothing was written. "
+                "Fix the value, or pass on_nonfinite='skip' to drop such steps (they are counted)."
+            )
+        names = listed([repr(self._param_name(params[i])) for i in bad_grads], 5)
+        raise UpdateError(
+            f"{self.label}: non-finite gradient of {names}, which "
+            f"{type(self.optimizer).__name__}.step() would write into the parameter. Nothing was "
+            "written. Fix the loss, the data or the learning rate; or pass on_nonfinite='skip' to skip "
+            "such steps as torch.amp.GradScaler does (the whole step, counted in skipped_steps); or "
+            "check_finite=False to let the optimizer take them."
+        )
 
     def _scaler(self) -> Any:
         """The step's ``torch.amp.GradScaler``, if it has an enabled one and an optimizer."""
@@ -275,7 +287,7 @@ class Commit:
         unsharded parameters by resizing their storage to 0 bytes, and a write there would be a write
         into freed memory."""
         j = self.journal
-        if any(not sharding.storage_ok(row[0]) for row in j.rows):
+        if any(not sharding.storage_ok(row.target) for row in j.rows):
             j.absorb()  # name the target below
         for e in j.entries.values():
             if not sharding.storage_ok(e.target):
@@ -294,10 +306,10 @@ class Commit:
         if self.rules and j.rows:
             # a row's target written by a rule before its phase folds like any entry's: make rows entries
             written = {id(t) for r in self.rules if r.phase != AFTER_STEP for t in r.tensors()}
-            if any(id(row[0]) in written for row in j.rows):
+            if any(id(row.target) in written for row in j.rows):
                 j.absorb()
         if self.rules:
-            ctx = CommitContext(self)
+            ctx = CommitContext(self.optimizer, self.journal.index)
             if self.ruleset is not None:
                 self.ruleset.check(self.rules, ctx)
             else:
@@ -329,17 +341,14 @@ class Commit:
         opt = self.optimizer
         if opt is not None:
             self.rollback.protect_optimizer(opt, all_params=closure is not None)
-            context.local.committing.append(self)  # an attachment on this optimizer stands aside
             self.optimizer_starting()
             scaler = self._scaler()
-            try:
+            with routing.committing(self):  # an attachment on this optimizer stands aside
                 if scaler is not None:  # (no closure: refused with a scaler)
                     out = scaler.step(opt)
                     scaler.update()
                 else:
                     out = opt.step() if closure is None else opt.step(closure)
-            finally:
-                context.local.committing.remove(self)
             if closure is not None:
                 self.journal.hide()
                 if self.state == "new":
@@ -445,15 +454,16 @@ class Commit:
                 if rule.phase == phase:
                     rows.extend(rule.rows(index))
             for item in order:
-                if len(item) == 2:  # an entry and its record (a row's item has 4 fields)
-                    e, r = item
-                    if r.phase == phase:
-                        cond = "-" if r.cond is None else "when(tensor)"
-                        sync = f" sync={r.sync}" if r.sync else ""
-                        rows.append(ScheduleEntry(phase, e.name, r.op + sync, cond, str(r.origin)))
-                elif phase == AUXILIARY:  # a row: (info, op, conditional, origin)
-                    cond = "when(tensor)" if item[2] else "-"
-                    rows.append(ScheduleEntry(phase, item[0].name, item[1], cond, str(item[3])))
+                if item.phase != phase:
+                    continue
+                if isinstance(item, Issued):
+                    r = item.record
+                    cond = "-" if r.cond is None else "when(tensor)"
+                    sync = f" sync={r.sync}" if r.sync else ""
+                    rows.append(ScheduleEntry(phase, item.entry.name, r.op + sync, cond, str(r.origin)))
+                else:  # a row's plan
+                    cond = "when(tensor)" if item.conditional else "-"
+                    rows.append(ScheduleEntry(phase, item.name, item.op, cond, str(item.origin)))
         return rows
 
     # ------------------------------------------------------------------
@@ -464,7 +474,7 @@ class Commit:
         rb = self.rollback
         rules = [r for r in self.rules if r.phase == phase]
         if rules:
-            ctx = CommitContext(self)
+            ctx = CommitContext(self.optimizer, self.journal.index)
             with torch.no_grad():
                 for rule in rules:
                     written = rule.tensors()
@@ -548,143 +558,3 @@ def _raw(e: Entry) -> torch.Tensor:
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-# --- finiteness: one batched reduction ---------------------------------------------
-def _pending_values(j: Journal, unsynced: bool = False) -> list[torch.Tensor]:
-    """Every pending value of ``j``'s entries (``unsynced``: but those of synced entries; rows: see
-    ``Commit._row_groups``)."""
-    return [e.value for e in j.entries.values() if e.value is not None and not (unsynced and e.sync is not None)]
-
-
-def _finite_flag(
-    values: list[torch.Tensor], sharded: bool = False, grouped: dict | None = None, grads: list[torch.Tensor] = ()
-) -> torch.Tensor | None:
-    """A 0-dim bool on the CPU: all of ``values`` finite (None if none is floating); ``sharded``: some
-    may be DTensors (their local shards are checked); ``grouped``: more values, already grouped by
-    ``_group_tensors_by_device_and_dtype([dst, src])`` (the rows' commit groups: their ``src``).
-
-    The values are grouped by device and dtype in C; each floating group is checked in a few
-    kernels (:func:`_group_finite`); one host sync for all.
-    """
-    if not values and not grouped and not grads:
-        return None
-    flags = []
-    with torch.no_grad():
-        vals = values
-        if sharded and vals:
-            vals = sharding.locals_of(values)
-            if not all(map(torch.Tensor.numel, vals)):
-                # an empty tensor (an empty local shard: a rank past the last chunk of an uneven Shard) has
-                # nothing to check, and _foreach_norm(inf) refuses it
-                vals = [v for v in vals if v.numel()]
-        for (_dev, dt), ([ts], _) in _group_tensors_by_device_and_dtype([vals]).items() if vals else ():
-            if dt.is_floating_point or dt.is_complex:
-                flags.append(_group_finite(ts).cpu())
-        for (_dev, dt), ([_dst, ts], _) in grouped.items() if grouped else ():
-            if dt.is_floating_point or dt.is_complex:
-                flags.append(_group_finite(ts).cpu())
-        if grads:
-            flags.extend(_grads_finite(grads, sharded))
-    if not flags:
-        return None
-    return flags[0] if len(flags) == 1 else torch.stack(flags).all()
-
-
-CAT_NUMEL = 1 << 22
-"""Up to this many elements, a group of values is checked as one concatenation (a copy: cheaper than a
-kernel per tensor, measured 3-7x for 100 tensors of 16 to 256 elements on CPU); above, per tensor, with
-no copy (``torch._foreach_norm(inf)``)."""
-
-
-def _group_finite(ts: list[torch.Tensor]) -> torch.Tensor:
-    """A 0-dim bool: every element of ``ts`` (one device and dtype) is finite."""
-    if not all(map(torch.Tensor.numel, ts)):
-        ts = [t for t in ts if t.numel()]  # an empty tensor has nothing to check (and _chunk_cat refuses it)
-        if not ts:
-            return torch.ones((), dtype=torch.bool)
-    if sum(map(torch.Tensor.numel, ts)) <= CAT_NUMEL:
-        if all(map((1).__eq__, map(torch.Tensor.dim, ts))):
-            # 1-D values (statistics): the fastest concatenation (every one 1-D: checked, not caught,
-            # since dynamo cannot catch the error of a traced cat, and gradients of any rank join them)
-            return torch.cat(ts).isfinite().all()
-        chunk_cat = getattr(torch, "_chunk_cat", None)
-        if chunk_cat is not None:
-            return chunk_cat([t if t.dim() else t.reshape(1) for t in ts], 0, 1).isfinite().all()
-    return torch.stack(torch._foreach_norm(ts, math.inf)).isfinite().all()
-
-
-_grad_of = torch._C.TensorBase.grad.__get__  # the C getters, mapped without a Python-level loop
-_requires_grad = torch._C.TensorBase.requires_grad.__get__
-_layout_of = torch._C.TensorBase.layout.__get__
-
-
-def _dense(g: torch.Tensor) -> torch.Tensor:
-    """A sparse gradient's values (what decides whether it is finite); a dense one as it is."""
-    return g if g.layout == torch.strided else g.coalesce().values()
-
-
-def _grads_finite(grads: list[torch.Tensor], sharded: bool) -> list[torch.Tensor]:
-    """Per device and dtype of ``grads``, a 0-dim bool on the CPU: all finite. GradScaler's check,
-    ``torch._amp_foreach_non_finite_check_and_unscale_`` (one kernel per group on an accelerator; no
-    copy), with a scale of 1: every value is written back as it is. Gradients that require grad
-    (``create_graph=True``) or are complex get :func:`_group_finite` instead, which writes nothing."""
-    gs = sharding.locals_of(grads) if sharded else grads
-    if not torch.compiler.is_compiling() and not any(map(_requires_grad, gs)):
-        # one call for all (the common case: one device), grouped only if it refuses them
-        dev = gs[0].device
-        found = torch.zeros(1, device=dev)
-        try:
-            torch._amp_foreach_non_finite_check_and_unscale_(gs, found, torch.ones(1, device=dev))
-        except RuntimeError:
-            pass  # several devices, complex or sparse values: by group below
-        else:
-            return [found.eq(0).reshape(()).cpu()]
-    if any(layout is not torch.strided for layout in set(map(_layout_of, gs))):
-        gs = list(map(_dense, gs))
-    out = []
-    for (dev, dt), ([ts], _) in _group_tensors_by_device_and_dtype([gs]).items():
-        if not (dt.is_floating_point or dt.is_complex):
-            continue
-        if dt.is_complex or any(map(_requires_grad, ts)):
-            out.append(_group_finite(ts).cpu())
-            continue
-        found = torch.zeros(1, device=dev)
-        torch._amp_foreach_non_finite_check_and_unscale_(ts, found, torch.ones(1, device=dev))
-        out.append(found.eq(0).reshape(()).cpu())
-    return out
-
-
-def _grads(optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The parameters of ``optimizer`` that have a gradient, and those gradients: what
-    ``optimizer.step()`` will use (its param groups as they are now: read at each commit, since a
-    group's list can be edited in place)."""
-    params = list(itertools.chain.from_iterable([g["params"] for g in optimizer.param_groups]))
-    grads = list(map(_grad_of, params))
-    if any(map(operator.is_, grads, itertools.repeat(None))):
-        kept = [(p, g) for p, g in zip(params, grads) if g is not None]
-        params, grads = [p for p, _ in kept], [g for _, g in kept]
-    return params, grads
-
-
-def _nonfinite(
-    j: Journal, rows_grouped: dict | None, grads: list[torch.Tensor], sharded: bool
-) -> tuple[list[Entry], list[int]]:
-    """The entries whose pending value is not finite, and the indices of the non-finite ``grads``
-    (one batched check for all; per tensor only on failure)."""
-    ok = _finite_flag(_pending_values(j), sharded, rows_grouped, grads)
-    if ok is None or bool(ok):
-        return [], []
-    j.absorb()  # name them: rows become entries
-    entries = list(j.entries.values())
-    bad = [
-        e
-        for e in entries
-        if e.value is not None
-        and (e.value.is_floating_point() or e.value.is_complex())
-        and not bool(sharding.local(e.value).isfinite().all())
-    ]
-    bad_grads = [
-        i
-        for i, g in enumerate(grads)
-        if (g.is_floating_point() or g.is_complex()) and not bool(_dense(sharding.local(g)).isfinite().all())
-    ]
-    return bad, bad_grads

@@ -34,13 +34,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
-from . import sharding
+from .. import sharding
 
 _data_ptr = torch._C.TensorBase.data_ptr
 _size = torch._C.TensorBase.size
 
 if TYPE_CHECKING:
-    from .rules.base import Rule
+    from ..records import RuleLike as Rule
 
 Copies = list[tuple[list[torch.Tensor], list[torch.Tensor]]]
 

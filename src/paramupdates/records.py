@@ -1,0 +1,236 @@
+"""The records of the core, as types: what a step remembers about a target and an update.
+
+* :class:`TargetInfo`: where a tensor lives in a model (its qualified name, owning module,
+  attribute, how a read sees its pending value);
+* :class:`Record`: one issued update (op, operand, condition, phase, sync, call site);
+* :class:`Entry`: a target with pending updates in one journal (its records, its pending value);
+* :class:`Row`: an auxiliary update whose value a module computed (``pu.nn``'s statistics) of a
+  target with nothing else pending: one object instead of an entry and a record;
+* :class:`Issued` and :class:`Planned`: the items of a journal's issue order, what ``schedule()``
+  shows (an issued update, or a row's plan, which holds no tensor).
+
+And the seams between the core's modules, as Protocols (:class:`JournalLike`,
+:class:`OwnerLike`, :class:`RuleLike`, :class:`CommitLike`, :class:`IndexLike`,
+:class:`ReplayLike`, :class:`EagerLogLike`): a low module names what it needs of a higher one
+without importing it, so that the import graph has no cycle, ``TYPE_CHECKING`` imports
+included (``tests/test_layering.py``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from .phases import AUXILIARY
+
+
+@dataclass(eq=False, slots=True)
+class TargetInfo:
+    """Where a target lives: ``owner.<attr>`` is the tensor, ``name`` its qualified name.
+
+    ``shows``/``slots``: how a read sees its pending value (``overlay.shows_through``) and, for a
+    buffer, the owning module's buffer dict, where the pending value is put.
+    """
+
+    ref: weakref.ref
+    name: str
+    owner_ref: weakref.ref
+    attr: str
+    kind: str  # "parameter" or "buffer"
+    shows: str | None = None
+    slots: dict | None = None
+    sharded: bool = False  # a DTensor (FSDP2)
+    kept: tuple | None = None  # a pu.Parameter: (its class, auxiliary, weight_decay), to keep its type
+
+    @property
+    def owner(self) -> nn.Module | None:
+        return self.owner_ref()
+
+
+@dataclass(eq=False, slots=True)
+class Record:
+    """One issued update."""
+
+    op: str
+    operand: Any
+    key: Any
+    cond: torch.Tensor | None
+    phase: str
+    sync: str | None
+    origin: Any  # an origin.Origin, or a string while dynamo traces
+
+
+@dataclass(eq=False, slots=True)
+class Entry:
+    """A target with pending updates in one journal."""
+
+    target: torch.Tensor
+    name: str
+    info: TargetInfo | None
+    trainable: bool
+    shows: str | None  # how reads see the pending value: overlay.PARAM, overlay.BUFFER or None
+    slots: dict[str, Any] | None = None  # overlay.BUFFER: the owning module's buffer dict (``attr`` in it)
+    attr: str = ""
+    value: torch.Tensor | None = None
+    records: list[Record] = field(default_factory=list)
+    phases: set[str] = field(default_factory=set)  # the phases of the records
+    swapped: bool = False  # a buffer slot holds the pending value
+    sync: str | None = None  # "mean"/"sum" when an update of this step asked for it (distributed sync, rule 9)
+    raw: torch.Tensor | None = None  # the target as a plain tensor, for the commit's writes
+    generation: int = -1  # the model index's generation it was made in
+    journal: JournalLike | None = None  # the journal using it now (None: free to be reused by the next step)
+    sharded: bool = False  # the target is a DTensor (FSDP2): written through its local shard
+
+    def current(self) -> torch.Tensor:
+        return self.target if self.value is None else self.value
+
+
+@dataclass(eq=False, slots=True)
+class Planned:
+    """What the schedule shows of a :class:`Row` (no tensor: it outlives the step's values)."""
+
+    name: str
+    op: str
+    conditional: bool
+    origin: Any
+
+    @property
+    def phase(self) -> str:
+        return AUXILIARY
+
+
+@dataclass(eq=False, slots=True)
+class Row:
+    """An auxiliary update whose value a module computed, of a target with nothing else pending."""
+
+    target: torch.Tensor
+    info: TargetInfo
+    op: str
+    operand: Any
+    value: torch.Tensor  # the pending value
+    cond: torch.Tensor | None
+    origin: Any
+    pos: int  # its place in the journal's issue order
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    @property
+    def slots(self) -> dict | None:
+        return self.info.slots
+
+    @property
+    def attr(self) -> str:
+        return self.info.attr
+
+
+@dataclass(eq=False, slots=True)
+class Issued:
+    """An issued update in a journal's issue order: its entry and its record."""
+
+    entry: Entry
+    record: Record
+
+    @property
+    def phase(self) -> str:
+        return self.record.phase
+
+
+# --- the seams, as Protocols --------------------------------------------------------------------------
+class IndexLike(Protocol):
+    """A model's index (``targets.ModelIndex``)."""
+
+    generation: int
+    by_id: dict[int, TargetInfo]
+    has_meta: bool
+
+    @property
+    def model(self) -> nn.Module | None: ...
+    def lookup(self, t: torch.Tensor) -> TargetInfo | None: ...
+    def peek(self, t: torch.Tensor) -> TargetInfo | None: ...
+    def name_of(self, t: torch.Tensor) -> str | None: ...
+    def module_name(self, module: nn.Module) -> str | None: ...
+    def meta_names(self) -> list[str]: ...
+    def owns_any(self, tensors: list[torch.Tensor]) -> bool: ...
+
+
+class JournalLike(Protocol):
+    """The journal of one step (``journal.Journal``)."""
+
+    index: Any
+    optimizer: Any
+    label: str
+    entries: dict[int, Entry]
+    rows: list[Row]
+
+    def find(self, t: torch.Tensor, create: bool = ..., how: Any = ...) -> Entry | None: ...
+    def holds(self, t: torch.Tensor) -> bool: ...
+    def stored_of(self, v: torch.Tensor) -> tuple[torch.Tensor, dict | None] | None: ...
+    def pending_names(self) -> list[str]: ...
+    def pending_name_of(self, t: torch.Tensor) -> str | None: ...
+    def current_of(self, e: Entry) -> torch.Tensor: ...
+    def absorb(self, how: Any = ...) -> None: ...
+    def discard(self) -> None: ...
+
+
+class OwnerLike(Protocol):
+    """What opens journals: a ``pu.attach`` attachment (``attach.Attachment``)."""
+
+    index: Any
+    label: str
+    journal: JournalLike | None
+
+    @property
+    def model(self) -> nn.Module | None: ...
+    def open_journal(self) -> JournalLike: ...
+    def detach(self) -> None: ...
+
+
+class CommitLike(Protocol):
+    """One commit (``commit.Commit``): what hooks and rules see of it."""
+
+    journal: Any
+    optimizer: Any
+    options: Any
+    label: str
+    seq: int
+
+
+class ReplayLike(Protocol):
+    """The view of the targets while a checkpointed segment is recomputed (``replay.Replay``)."""
+
+    journals: list[Any]
+    explicit: list[Any]
+
+    def lookup(self, j: Any, t: torch.Tensor) -> Entry | None: ...
+    def current(self, j: Any, e: Entry) -> torch.Tensor: ...
+    def set_value(self, j: Any, e: Entry, new: torch.Tensor) -> None: ...
+    def eager_write(self, op: str, target: torch.Tensor, operand: Any, key: Any, cond: Any) -> None: ...
+
+
+class EagerLogLike(Protocol):
+    """Entry values of the targets a checkpointed segment writes eagerly (``replay.EagerLog``)."""
+
+    def note(self, t: torch.Tensor) -> None: ...
+
+
+class RuleLike(Protocol):
+    """A declared rule (``rules.base.Rule``): what the core outside ``rules/`` uses of it."""
+
+    phase: str
+    kind: str
+    origin: Any
+    seq: int
+    infallible: bool
+    per_optimizer_update: bool
+
+    def tensors(self) -> list[torch.Tensor]: ...
+    def owner_tensors(self) -> list[torch.Tensor]: ...
+    def alive(self) -> bool: ...
+    def save(self) -> Any: ...
+    def restore(self, saved: Any) -> None: ...

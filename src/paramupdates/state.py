@@ -1,0 +1,135 @@
+"""All mutable state of paramupdates, in one place: what a thread has in progress, what the process
+keeps, and :func:`reset`.
+
+Steps are per thread (docs/design.md, "Threads"): what a thread has in progress (its explicit
+steps, the commit running ``optimizer.step()``, its ``pu.when`` conditions, the recomputation it
+runs, its checkpointed segment) lives in :data:`local`, a ``threading.local``. Two threads step two
+models independently, and an update issued in one thread never sees another thread's step or
+condition.
+
+What belongs to objects rather than to a thread is per process (:data:`process`): the attachments
+(found from their model's tensors, whichever thread issues the update), the pending values that
+``pu.Parameter`` objects show, each model's index (which holds the model's rules and the caches of
+its commits), and the caches of what never changes for an object while it lives. Every cache is
+keyed by the object itself, held weakly (``weakref``, ``WeakIdKeyDictionary``): nothing is keyed by
+an ``id()`` of an object it does not keep alive, so a collected model or optimizer can never lend
+its identity to a later one. The only ``id()`` keys are of objects held by the value they map to
+(:attr:`Process.pu_pending`).
+
+Outside this module, the modules read it through ``routing`` (which step or attachment owns a
+tensor) or keep their own objects in it; the hook registries (``hooks``) and the converter
+registry (``nn.convert``) are the only other module-level state.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import types
+import weakref
+from typing import Any
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .records import EagerLogLike, JournalLike, OwnerLike, ReplayLike
+
+
+class Local(threading.local):
+    """What one thread has in progress (each thread starts with nothing)."""
+
+    def __init__(self) -> None:
+        self.explicit: list[JournalLike] = []
+        """``pu.step`` / ``Stepper`` / ``pu.func.functional_call`` journals in progress in this thread
+        (innermost last), while they record and while they commit."""
+        self.committing: list[Any] = []
+        """Commits of this thread running ``optimizer.step()``: that call is theirs, so an attachment
+        on the same optimizer stands aside (its rules would apply a second time)."""
+        self.conditions: list[bool | torch.Tensor | None] = [None]
+        """The ``pu.when`` conditions in force in this thread, combined: ``None`` (unconditional),
+        ``False``, a bool tensor."""
+        self.replay: ReplayLike | None = None
+        """The view of the targets while this thread recomputes a checkpointed segment (replay,
+        rule 3). Its journals are those live when the segment's forward ran, in whichever thread:
+        autograd may recompute in one of its device threads."""
+        self.eager_log: EagerLogLike | None = None
+        """The innermost checkpointed segment whose forward this thread runs outside a step: it
+        notes the entry values of what it writes eagerly, for its recomputation."""
+
+    def clear(self) -> None:
+        self.explicit.clear()
+        self.committing.clear()
+        del self.conditions[1:]
+        self.conditions[0] = None
+        self.replay = None
+        self.eager_log = None
+
+
+class Process:
+    """What the process keeps (shared by its threads)."""
+
+    def __init__(self) -> None:
+        self.steps: list[JournalLike] = []
+        """Every explicit step in progress, of every thread (what serialization and
+        ``load_state_dict`` look at: a module's slots are shared between threads)."""
+        self.attachments: list[OwnerLike] = []
+        """Live attachments (``pu.attach``), in attach order. An attachment holds its model weakly and
+        leaves this list when the model is collected."""
+        self.pu_pending: dict[int, Any] = {}
+        """``id(pu.Parameter)`` -> what it shows: a holder with ``.target`` (the parameter, held, so
+        the key cannot be reused while it is here) and ``.value``."""
+        self.indexes: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+        """model -> its ``targets.ModelIndex`` (which holds the model's rules and commit caches)."""
+        self.rules: list[Any] = []
+        """The registry of declared rules, in declaration order (``rules.base.register``). Which of
+        them apply to a model is kept on the model's index (``rules.base.rules_for``)."""
+        self.rules_version = 0
+        """Bumped whenever a rule is declared, removed, or follows other tensors: an index's list of
+        rules is current while it has the same version (a counter: it never repeats)."""
+        self.rule_seq = itertools.count()
+        """Declaration order of rules (commit order within a phase)."""
+        self.ema_copies: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+        """An averaged copy returned by ``pu.ema`` -> a weak reference to its rule."""
+        self.guarded: weakref.WeakSet[Any] = weakref.WeakSet()
+        """Modules whose ``state_dict`` / ``load_state_dict`` are hooked (``guards.guard_module``)."""
+        self.materialized: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        """A storage made by ``torch.empty_like`` of a ``pu.Parameter`` (``to_empty()``) -> what to
+        make its parameter again: ``(class, auxiliary, weight_decay)``."""
+        self.parametrized: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        """The output tensor of a ``torch.nn.utils.parametrize`` parametrization (held weakly) -> its
+        ``ParametrizationList`` (a weak reference) and the parametrized tensor's display name
+        (``integrations.parametrize``: updates of it go through ``right_inverse``, rule 10)."""
+        self.internal_code: dict[types.CodeType, bool] = {}
+        """Per code object: whether its frames are skipped when finding a call site (``origin``).
+        Code objects are kept by the functions they belong to; the dict is bounded (4096)."""
+
+    def clear(self) -> None:
+        self.steps.clear()
+        self.attachments.clear()
+        self.pu_pending.clear()
+        self.rules.clear()
+        self.rules_version += 1
+        self.ema_copies = weakref.WeakKeyDictionary()
+        self.materialized = WeakIdKeyDictionary()
+        for index in list(self.indexes.values()):
+            index.forget_rules()
+
+
+local = Local()
+"""This thread's steps, commits, conditions, replay and eager log."""
+
+process = Process()
+"""The process's attachments, steps of every thread, pending ``pu.Parameter`` values, model indexes
+and caches."""
+
+
+def bump_rules() -> None:
+    """The declared rules changed: every index recomputes its list of rules at its next commit."""
+    process.rules_version += 1
+
+
+def reset() -> None:
+    """Forget everything in progress in this thread, and every attachment, pending value and declared
+    rule of the process (what ``paramupdates.testing.reset`` calls after detaching and discarding)."""
+    local.clear()
+    process.clear()

@@ -164,7 +164,7 @@ def declare(model: nn.Module, c: dict) -> nn.Module | None:
 # ----------------------------------------------------------------------------
 def clean() -> None:
     """``reset_pu()``, also after a scenario that left an attachment whose abort raises."""
-    from paramupdates import routing, state
+    from paramupdates import state
 
     try:
         reset_pu()

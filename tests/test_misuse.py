@@ -359,7 +359,7 @@ def test_forgotten_attachments_are_collected_with_their_models():
     import gc
     import weakref
 
-    from paramupdates import routing, state
+    from paramupdates import routing
 
     refs = []
     for trial in range(200):

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 import paramupdates as pu
-from paramupdates.rules import constraints, ema, weight_decay
 from paramupdates.owner import commit_caches
+from paramupdates.rules import constraints, ema, weight_decay
 
 from conftest import assert_same, snapshot
 

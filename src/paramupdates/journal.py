@@ -378,7 +378,9 @@ class Journal:
         self.shown = True
         return True
 
-    def _store(self, e: Entry, rec: Record, new: torch.Tensor, how: Lookup, pos: int | None = None, show: bool = True) -> None:
+    def _store(
+        self, e: Entry, rec: Record, new: torch.Tensor, how: Lookup, pos: int | None = None, show: bool = True
+    ) -> None:
         """Keep ``rec`` and make ``new`` the pending value (``pos``: its place in the issue order, if
         it has one already; ``show``: show it to reads, see :meth:`set_value`)."""
         phase, sync = rec.phase, rec.sync

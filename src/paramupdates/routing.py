@@ -219,8 +219,7 @@ def owned_elsewhere(t: torch.Tensor, att: OwnerLike) -> bool:
     return any(
         other is not att
         and (
-            other.index.peek(t) is not None
-            or (other.journal is not None and other.journal.find(t, False) is not None)
+            other.index.peek(t) is not None or (other.journal is not None and other.journal.find(t, False) is not None)
         )
         for other in _process.attachments
     )

@@ -190,7 +190,6 @@ def _refuse_foreign(j: Journal, t: torch.Tensor, origin: Any, op: str) -> None:
     )
 
 
-
 def assign(target: torch.Tensor, value: Any, *, phase: str | None = None, sync: str | None = None) -> None:
     """``target <- value``, in phase ``phase`` (phase order, rule 4; see the module docstring)."""
     issue("assign", target, value, None, phase, sync)

@@ -556,5 +556,3 @@ def _raw(e: Entry) -> torch.Tensor:
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-

@@ -61,7 +61,6 @@ class CommitContext:
         return self._lr.get(id(p))  # (the optimizer holds its parameters for this commit)
 
 
-
 class Rule:
     """Base class of declared rules (public: ``pu.Rule``).
 

@@ -44,12 +44,16 @@ def _entry(
     outdir: str,
     pg_timeout: float,
     hard_exit: bool,
+    init_group: bool,
     args: tuple,
 ) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)  # 2 processes on a shared CPU; also makes reductions deterministic
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=pg_timeout))
+    if init_group:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=pg_timeout))
+    else:  # fn initialises it, as torchrun's processes do (env://)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     reset_pu()
     out = fn(rank, world, *args)
     path = os.path.join(outdir, f"rank{rank}.pt")
@@ -58,8 +62,9 @@ def _entry(
     if hard_exit:
         # After a collective timed out the group cannot be destroyed cleanly.
         os._exit(0)
-    dist.barrier()
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def launch(
@@ -69,12 +74,17 @@ def launch(
     timeout: float = 90.0,
     pg_timeout: float = 30.0,
     hard_exit: bool = False,
+    init_group: bool = True,
 ) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo processes; the ranks' results, in rank order."""
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo processes; the ranks' results, in rank order.
+
+    ``init_group=False``: ``fn`` initialises the process group itself from the environment (``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, as torchrun
+    sets them), e.g. RETURNN's Engine with ``torch_distributed``; its own timeout then bounds the collectives."""
     with tempfile.TemporaryDirectory() as outdir:
         ctx = mp.start_processes(
             _entry,
-            args=(fn, world, free_port(), outdir, pg_timeout, hard_exit, args),
+            args=(fn, world, free_port(), outdir, pg_timeout, hard_exit, init_group, args),
             nprocs=world,
             join=False,
             start_method="spawn",

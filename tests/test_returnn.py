@@ -853,13 +853,15 @@ class EngineModel(rf.Module):
 class GetEngineModel:
     """The config's get_model (a module-level class: RETURNN may pickle the config)."""
 
-    def __init__(self, ckpt: str, weight_decay: float = 0.0, declare_decay: bool = False):
-        self.ckpt, self.weight_decay, self.declare_decay = ckpt, weight_decay, declare_decay
+    def __init__(self, ckpt: str, weight_decay: float = 0.0, declare_decay: bool = False, constrain: bool = False):
+        self.ckpt, self.weight_decay, self.declare_decay, self.constrain = ckpt, weight_decay, declare_decay, constrain
 
     def __call__(self, **_kwargs: Any) -> EngineModel:
         model = EngineModel(self.ckpt, self.weight_decay)
         if self.declare_decay:
             pur.weight_decay(model)
+        if self.constrain:
+            pur.constrain(model.out.weight, pu.max_norm(0.5, dim=1))  # the config's constraint
         return model
 
 
@@ -884,8 +886,13 @@ def run_engine(
     optimizer: Any = None,
     weight_decay: float = 0.0,
     extra: dict[str, Any] | None = None,
+    wrap: bool = True,
+    constrain: bool = False,
 ) -> dict[str, Any]:
-    """One RETURNN Engine training run on Task12AX (20 sequences, 6 steps per epoch); returns its state."""
+    """One RETURNN Engine training run on Task12AX (20 sequences, 6 steps per epoch); returns its state.
+    ``on``: with ``pur.enable()``; ``wrap``: and the config's optimizer is ``pur.optimizer(...)`` (else
+    RETURNN's own); ``weight_decay``: ``rf.Parameter.weight_decay`` of the weights, declared with
+    ``pur.weight_decay`` in get_model when on; ``constrain``: ``pur.constrain`` in get_model."""
     if on:
         pur.enable()
     try:
@@ -904,13 +911,13 @@ def run_engine(
                 "data": {"dims": [batch_dim, _E_TIME, _E_IN], "dtype": "float32"},
                 "classes": {"dims": [batch_dim, _E_TIME], "sparse_dim": _E_OUT, "dtype": "int32"},
             },
-            get_model=GetEngineModel(ckpt, weight_decay, declare_decay=on and weight_decay > 0),
+            get_model=GetEngineModel(ckpt, weight_decay, declare_decay=on and weight_decay > 0, constrain=constrain),
             train_step=engine_train_step,
-            optimizer=pur.optimizer(opt) if on else opt,
+            optimizer=pur.optimizer(opt) if on and wrap else opt,
         )
         if accum != 1:
             cfg["accum_grad_multiple_step"] = accum
-        if on and epoch_end:
+        if on and wrap and epoch_end:
             cfg["epoch_end"] = pur.epoch_end
         cfg.update(extra or {})
         config = Config(cfg)
@@ -1086,3 +1093,340 @@ def test_engine_optimizer_needs_enable(tmp_path):
 def test_engine_refuses_what_skips_the_optimizer_hooks(tmp_path, key, value):
     with pytest.raises(pu.UpdateError, match=f"the config sets {key}, which paramupdates cannot support"):
         run_engine(str(tmp_path), on=True, extra={key: value})
+
+
+# ---------------------------------------------------------------------------
+# what the bridge refuses or warns about at the first train step (issue 24, items 4 and 5)
+# ---------------------------------------------------------------------------
+def test_engine_enable_alone_refuses_declared_rules(tmp_path):
+    """pur.enable() with RETURNN's own optimizer dict: nothing commits inside optimizer.step(), so the
+    pur.weight_decay and pur.constrain that get_model declared would never run. The first train step
+    raises before the optimizer writes, naming each rule, its line and targets, and the config fix."""
+    with pytest.raises(pu.UpdateError) as e:
+        run_engine(str(tmp_path), on=True, wrap=False, weight_decay=0.05, constrain=True)
+    msg = str(e.value)
+    assert msg.startswith("paramupdates.returnn: Adam.step() at ")
+    assert re.search(r"pu\.weight_decay declared at .*test_returnn\.py:\d+ on 'lin\.weight', 'out\.weight'", msg)
+    line = _line_of("the config's constraint")
+    assert re.search(rf"pu\.constrain\(max_norm\) declared at .*{HERE}:{line} on ", msg)
+    assert "would never run" in msg and "optimizer = paramupdates.returnn.optimizer({...})" in msg
+
+
+def test_engine_enable_alone_warns_and_changes_nothing(tmp_path_factory):
+    """pur.enable() with RETURNN's own optimizer and no declared rule: the rf updates apply at once, as
+    RETURNN's (bitwise RETURNN's state; under rf.gradient_checkpoint_scope they would be doubled, as
+    RETURNN's); the first train step warns, naming the first such update's line and the fix."""
+    counter_line = _line_of("the Engine model's counter")
+    with pytest.warns(UserWarning) as record:
+        ours = run_engine(str(tmp_path_factory.mktemp("e")), on=True, wrap=False)
+    msgs = [str(w.message) for w in record if "paramupdates.returnn is enabled" in str(w.message)]
+    assert len(msgs) == 1, [str(w.message) for w in record]
+    assert "no paramupdates step or attachment commits Adam.step()" in msgs[0]
+    assert re.search(rf"the first: .* at .*{HERE}:{counter_line}\)", msgs[0])
+    assert "optimizer = paramupdates.returnn.optimizer({...})" in msgs[0]
+    assert "gradient_checkpoint_scope's recomputation updates counters" in msgs[0]
+    _assert_bitwise(ours["state"], engine_run(tmp_path_factory, on=False)["state"], "enable() alone is RETURNN")
+
+
+@pytest.mark.parametrize(
+    "opt",
+    [(("class", "adamw"), ("weight_decay", 0.05)), (("class", "adamw"),)],
+    ids=["adamw_weight_decay", "adamw_default_decay"],
+)
+def test_engine_refuses_double_weight_decay(tmp_path, opt):
+    """pur.optimizer(AdamW, with its weight_decay or AdamW's default 0.01) and pur.weight_decay(model) would
+    decay the weights twice: refused when the Engine creates the optimizer, naming both and the fix."""
+    rate = "0.05" if len(opt) == 2 else "0.01"
+    with pytest.raises(pu.UpdateError) as e:
+        run_engine(str(tmp_path), on=True, weight_decay=0.05, optimizer=opt)
+    msg = str(e.value)
+    assert "'lin.weight'" in msg and "would be decayed twice" in msg
+    assert re.search(r"by pu\.weight_decay \(declared at .*test_returnn\.py:\d+", msg)
+    assert f"AdamW's own weight_decay={rate}" in msg and "use 'class': 'adam'" in msg
+
+
+def test_double_weight_decay_declared_after_the_optimizer_refused_at_first_step(tmp_path):
+    """A pur.weight_decay declared after the Engine made the optimizer (here: in the first train step) is
+    refused at the first optimizer.step(), before anything is written."""
+    state: dict[str, Any] = {}
+
+    def train_step(*, model: EngineModel, extern_data: TensorDict, **kwargs: Any) -> None:
+        if "rules" not in state:
+            state["rules"] = pur.weight_decay(model)
+        engine_train_step(model=model, extern_data=extern_data, **kwargs)
+
+    with pytest.raises(pu.UpdateError, match=r"AdamW\.step\(\) at .*'lin\.weight'.* would be decayed twice"):
+        run_engine(
+            str(tmp_path),
+            on=True,
+            optimizer=(("class", "adamw"), ("weight_decay", 0.05)),
+            extra={"train_step": train_step, "get_model": GetEngineModel("none", 0.05)},
+        )
+    for r in state["rules"]:
+        r.remove()
+
+
+# ---------------------------------------------------------------------------
+# RETURNN versions and the contract of every patched function (issue 24, item 6)
+# ---------------------------------------------------------------------------
+def test_returnn_version_range_is_pinned_tested_and_warned(monkeypatch):
+    """pyproject's returnn extra pins exactly the bridge's tested range; the installed RETURNN (what CI
+    installs from that extra) lies in it; enable() warns on a RETURNN outside it."""
+    import tomllib
+
+    import returnn
+
+    with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "pyproject.toml"), "rb") as f:
+        extra = tomllib.load(f)["project"]["optional-dependencies"]["returnn"]
+    low, high = pur.RETURNN_TESTED
+    assert f"returnn>={low},<={high}" in extra
+    vt = pur._version_tuple
+    assert vt(low) <= vt(returnn.__version__)[:2] and vt(returnn.__version__) <= vt(high)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pur.enable()  # the tested version: no warning
+    pur.disable()
+    monkeypatch.setattr(returnn, "__version__", "1.20270105.120000+git.abc")
+    with pytest.warns(UserWarning, match=r"tested with RETURNN 1\.20261022 to .*this is RETURNN 1\.20270105"):
+        pur.enable()
+
+
+def _spy(monkeypatch: Any, name: str) -> list[tuple[tuple, dict, Any]]:
+    """Record every call of RETURNN's own ``TorchBackend.<name>`` (the bridge disabled): (args, kwargs, result)."""
+    orig = TorchBackend.__dict__[name].__func__
+    calls: list[tuple[tuple, dict, Any]] = []
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        out = orig(*args, **kwargs)
+        calls.append((args, kwargs, out))
+        return out
+
+    monkeypatch.setattr(TorchBackend, name, staticmethod(spy))
+    return calls
+
+
+def test_contract_create_parameter_raw(monkeypatch):
+    """rf.Parameter's raw tensor is what TorchBackend.create_parameter_raw(param, device=...) returns: an
+    exact torch.nn.Parameter of zeros in the parameter's dims and dtype, requires_grad unless int/bool. The
+    bridge wraps that result (same data, same requires_grad) in a pu.Parameter."""
+    calls = _spy(monkeypatch, "create_parameter_raw")
+    d1, d2 = Dim(2, name="a"), Dim(3, name="b")
+    for dtype, grad in (("float32", True), ("int32", False)):
+        p = rf.Parameter([d1, d2], dtype=dtype)
+        (args, kwargs, raw) = calls[-1]
+        assert args[0] is p and set(kwargs) <= {"device"}
+        assert p.raw_tensor is raw and type(raw) is torch.nn.Parameter and raw.requires_grad is grad
+        assert raw.shape == (2, 3) and raw.dtype == getattr(torch, dtype) and not raw.detach().any()
+    assert rf.Parameter([d1], auxiliary=True).raw_tensor.requires_grad is False  # set after creation
+
+
+def test_contract_parameter_assign(monkeypatch):
+    """rf.Parameter.assign / assign_add call TorchBackend.parameter_assign(param, value, op="assign" / "add"),
+    which writes the value (given in a subset of the dims: broadcast) into the raw tensor in place
+    (copy_ / add_ under no_grad). The bridge routes the same call; its eager writes are bitwise RETURNN's."""
+    calls = _spy(monkeypatch, "parameter_assign")
+    d1, d2 = Dim(2, name="a"), Dim(3, name="b")
+    v = torch.tensor([1.5, -2.0, 0.1])
+
+    def run() -> tuple[Any, list[torch.Tensor]]:
+        p = rf.Parameter([d1, d2], auxiliary=True)
+        p.initial = 0.3
+        raw, seen = p.raw_tensor, []
+        p.assign(rf.convert_to_tensor(v, dims=[d2]))
+        seen.append(raw.detach().clone())
+        p.assign_add(rf.convert_to_tensor(v * 3, dims=[d2]))
+        seen.append(raw.detach().clone())
+        assert p.raw_tensor is raw  # in place
+        return p, seen
+
+    p, returnn_seen = run()
+    assert [(c[0][0], c[1].get("op", "assign")) for c in calls] == [(p, "assign"), (p, "add")]
+    assert torch.equal(returnn_seen[0], v.expand(2, 3))
+    pur.enable()
+    _, bridge_seen = run()
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(bridge_seen, returnn_seen))
+
+
+def test_contract_parameter_assign_key(monkeypatch):
+    """rf.Parameter.assign_key(axis, key, key_dim, value) calls TorchBackend.parameter_assign_key(param, key,
+    value, op="assign", axis=axis, key_dim=key_dim), which writes raw[key] in place; op="add" adds. The
+    bridge computes the key as RETURNN (_utils.strided_slice_raw_key); its eager writes are bitwise RETURNN's."""
+    calls = _spy(monkeypatch, "parameter_assign_key")
+    d = Dim(4, name="d")
+
+    def run() -> list[list[float]]:
+        p = rf.Parameter([d], auxiliary=True)
+        p.initial = 0.25
+        idx = rf.convert_to_tensor(torch.tensor(2), dims=())
+        p.assign_key(axis=d, key=idx, key_dim=None, value=rf.convert_to_tensor(3.5))
+        out = [p.raw_tensor.detach().tolist()]
+        TorchBackend.parameter_assign_key(p, idx, rf.convert_to_tensor(1.25), op="add", axis=d, key_dim=None)
+        out.append(p.raw_tensor.detach().tolist())
+        return out
+
+    assert run() == [[0.25, 0.25, 3.5, 0.25], [0.25, 0.25, 4.75, 0.25]]
+    assert [(c[1].get("op", "assign"), c[1]["axis"]) for c in calls] == [("assign", d), ("add", d)]
+    monkeypatch.undo()
+    pur.enable()
+    assert run() == [[0.25, 0.25, 3.5, 0.25], [0.25, 0.25, 4.75, 0.25]]
+
+
+def test_contract_batch_norm(monkeypatch):
+    """rf.BatchNorm (use_mask=False) calls TorchBackend.batch_norm(source, ..., running_mean=,
+    running_variance=) with its own statistics by keyword (what the bridge reads), and in training RETURNN's
+    function updates their raw tensors in place, exactly as F.batch_norm(training=True) does (the bridge
+    passes copies and assigns them); in eval it writes nothing."""
+    calls = _spy(monkeypatch, "batch_norm")
+    d = Dim(3, name="f")
+    bn = rf.BatchNorm(d, use_mask=False)
+    x_raw = torch.randn(5, 3, generator=torch.Generator().manual_seed(0))
+    x = rf.convert_to_tensor(x_raw, dims=[batch_dim, d], feature_dim=d)
+    for train in (False, True):
+        rm, rv = bn.running_mean.raw_tensor, bn.running_variance.raw_tensor
+        want_m, want_v = rm.detach().clone(), rv.detach().clone()
+        F_out = torch.nn.functional.batch_norm(
+            x_raw.reshape(5, 3, 1), want_m, want_v, bn.gamma.raw_tensor.detach(), bn.beta.raw_tensor.detach(),
+            training=train, momentum=bn.momentum, eps=bn.eps,
+        )  # fmt: skip
+        rf.init_train_step_run_ctx(train_flag=train, step=0)
+        y = bn(x)
+        (args, kwargs, out) = calls[-1]
+        assert kwargs["running_mean"] is bn.running_mean and kwargs["running_variance"] is bn.running_variance
+        assert out is y and torch.equal(bits(y.raw_tensor), bits(F_out.reshape(5, 3)))
+        assert bn.running_mean.raw_tensor is rm and torch.equal(bits(rm.detach()), bits(want_m))
+        assert torch.equal(bits(rv.detach()), bits(want_v))
+    assert not torch.equal(bn.running_mean.raw_tensor.detach(), torch.zeros(3))  # training moved them
+
+
+def test_contract_parameter_move_to(monkeypatch):
+    """rf.Parameter.to(device=, dtype=) calls TorchBackend.parameter_move_to(param, device=, dtype=), which
+    replaces the raw tensor by a new exact torch.nn.Parameter, moved, with the same requires_grad (the old
+    one unchanged). The bridge does the same, with a pu.Parameter. (A dtype change through rf.Parameter.to
+    raises in RETURNN itself, the rf dtype not following: pt_module.to(dtype) is the way, see below.)"""
+    calls = _spy(monkeypatch, "parameter_move_to")
+    d = Dim(3, name="d")
+    for aux in (False, True):
+        p = rf.Parameter([d], auxiliary=aux)
+        p.initial = 0.5
+        old = p.raw_tensor
+        p.to(device="cpu", dtype="float32")
+        assert calls[-1][0] == (p,) and calls[-1][1] == {"device": "cpu", "dtype": "float32"}
+        new = p.raw_tensor
+        assert new is not old and type(new) is torch.nn.Parameter and new.requires_grad is (not aux)
+        assert torch.equal(bits(new.detach()), bits(old.detach()))
+    monkeypatch.undo()
+    pur.enable()
+    p = rf.Parameter([d], auxiliary=True)
+    p.initial = 0.5
+    old = p.raw_tensor
+    p.to(device="cpu")
+    assert type(p.raw_tensor) is pu.Parameter and p.raw_tensor is not old and p.raw_tensor.requires_grad is False
+    assert torch.equal(p.raw_tensor.detach(), torch.full((3,), 0.5))
+
+
+def test_contract_module_apply():
+    """RFModuleAsPTModule._apply (pt_module.to(...)): torch's _apply moves the slots (a trainable
+    parameter in place, a buffer as a new plain tensor); RETURNN then makes the rf dtype follow and wraps a
+    moved auxiliary parameter (a buffer) in a new exact torch.nn.Parameter (requires_grad False) for the
+    rf.Parameter, leaving the plain tensor in the buffer slot. That new torch.nn.Parameter is what the
+    bridge replaces by a pu.Parameter, in both places."""
+    d = Dim(3, name="d")
+    bn = rf.BatchNorm(d, use_mask=False)
+    pt = rf_module_to_pt_module(bn)
+    old_rm, old_gamma = bn.running_mean.raw_tensor, bn.gamma.raw_tensor
+    pt.to(torch.float64)
+    assert bn.gamma.raw_tensor is old_gamma is pt._parameters["gamma"] and old_gamma.dtype == torch.float64
+    rm = bn.running_mean.raw_tensor
+    assert rm is not old_rm and type(rm) is torch.nn.Parameter and rm.requires_grad is False
+    assert rm.dtype == torch.float64 and bn.running_mean.dtype == "float64"
+    slot = pt._buffers["running_mean"]
+    assert type(slot) is torch.Tensor and slot is not rm and torch.equal(slot, rm.detach())
+    pur.enable()
+    bn2 = rf.BatchNorm(d, use_mask=False)
+    pt2 = rf_module_to_pt_module(bn2)
+    pt2.to(torch.float64)
+    assert (
+        type(bn2.running_mean.raw_tensor) is pu.Parameter
+        and pt2._buffers["running_mean"] is bn2.running_mean.raw_tensor
+    )
+
+
+class _SeenInReplay(torch.Tensor):
+    """Records the ops that reach __torch_function__ with it while RETURNN's gcs replay runs."""
+
+    replaying = False
+    seen: list[Any] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if cls.replaying:
+            cls.seen.append((func, [a for a in args if isinstance(a, cls)]))
+        with torch._C.DisableTorchFunctionSubclass():  # plain results, as pu.Parameter's
+            return func(*args, **(kwargs or {}))
+
+
+def test_contract_gcs_replays_recorded_ops_in_maybe_recompute(monkeypatch):
+    """rf.gradient_checkpoint_scope records the aten ops of its block with the very tensors they got and
+    replays them in backward, all inside _Graph.maybe_recompute, calling each op on those tensor objects
+    (a tensor subclass's __torch_function__ sees them): so wrapping maybe_recompute with subclass dispatch
+    disabled is what makes the replay read what the forward read (the bridge's patch)."""
+    import returnn.torch.util.gradient_checkpoint as gcs
+
+    orig = gcs._Graph.maybe_recompute
+    runs: list[int] = []
+
+    def spy(self: Any) -> Any:
+        runs.append(len(self.ops_to_be_recomputed))
+        _SeenInReplay.replaying, _SeenInReplay.seen = True, []
+        try:
+            return orig(self)
+        finally:
+            _SeenInReplay.replaying = False
+
+    monkeypatch.setattr(gcs._Graph, "maybe_recompute", spy)
+    x = torch.ones(3, requires_grad=True)
+    w = torch.full((3,), 2.0).as_subclass(_SeenInReplay)
+    with gcs.gradient_checkpoint_scope():
+        y = (x * w).sin()
+    y.sum().backward()
+    assert runs and runs[0] >= 1  # the replay ran there, with the recorded ops
+    muls = [ts for func, ts in _SeenInReplay.seen if "mul" in str(func)]
+    assert muls and all(t is w for ts in muls for t in ts) and any(ts for ts in muls)
+    assert torch.allclose(x.grad, 2 * torch.cos(torch.full((3,), 2.0)))
+    del y
+
+
+def test_contract_gcs_saved_tensors_hooks_exit():
+    """While a gradient_checkpoint_scope outlives its block (its recorded tensors alive), RETURNN puts the
+    module attribute _custom_saved_tensors_hooks_exit (looked up by name: with the bridge, the bridge's) on
+    saved_tensors_hooks.__exit__, with _custom_saved_tensors_hooks_tls_ctx.active and the scope's hooks on
+    its .stack; _orig_saved_tensors_hooks_exit is torch's own __exit__; once the tensors died, the next
+    saved_tensors_hooks enter ends the scope (active False, torch's __exit__ back). What the bridge's
+    replacement reads; RETURNN's bug it works around: test_gcs_cleanup_then_torch_checkpoint."""
+    import gc
+
+    import returnn.torch.util.gradient_checkpoint as gcs
+
+    hooks = torch.autograd.graph.saved_tensors_hooks
+    torch_exit = gcs._orig_saved_tensors_hooks_exit
+    assert (torch_exit.__module__, torch_exit.__qualname__) == ("torch.autograd.graph", "saved_tensors_hooks.__exit__")
+    tls = gcs._custom_saved_tensors_hooks_tls_ctx
+    for on in (False, True):
+        if on:
+            pur.enable()
+        x = torch.ones(3, requires_grad=True)
+        with gcs.gradient_checkpoint_scope():
+            y = x * 2
+        assert tls.active and tls.stack
+        assert hooks.__dict__["__exit__"] is (
+            pur._saved_tensors_hooks_exit if on else gcs._custom_saved_tensors_hooks_exit
+        )
+        (y * y).sum().backward()
+        del y
+        gc.collect()
+        with hooks(lambda t: t, lambda t: t):
+            pass
+        assert not tls.active and hooks.__dict__["__exit__"] is torch_exit
+        pur.disable()

@@ -32,12 +32,25 @@ updates), auxiliary updates (statistics, counters), ``after_step``. Under
 segment entry and re-issued updates are dropped (rule 3): counters and
 running statistics equal the run without checkpointing, bitwise on CPU.
 
-RETURNN's ``Engine`` from the config alone::
+RETURNN's ``Engine`` from the config alone (all three lines are needed)::
 
     import paramupdates.returnn as pur
     pur.enable()
     optimizer = pur.optimizer({"class": "adam", "epsilon": 1e-8})   # commits inside optimizer.step()
     epoch_end = pur.epoch_end                                        # flushes what no optimizer step committed
+
+``enable()`` alone commits nothing: at the first ``step()`` of an optimizer
+that steps ``pu.Parameter`` objects and that no paramupdates attachment or step
+commits, declared rules on its parameters raise ``UpdateError`` (they would
+never run) and rf updates applied at once in training warn, both naming the
+fix (a global optimizer step pre-hook, registered by :func:`enable`). A
+parameter decayed by both ``pur.weight_decay`` and the optimizer's own
+``weight_decay`` is refused. Under ``torch_distributed`` (DDP), :func:`sync`
+makes the rf updates synced (docs/distributed.md, rule 9).
+
+The RETURNN versions tested are :data:`RETURNN_TESTED` (the ``returnn`` extra
+pins them; :func:`enable` warns outside); tests/test_returnn.py's contract tests
+check what each patched function does.
 
 Patched by :func:`enable` (class or module attributes, restored by :func:`disable`):
 
@@ -63,6 +76,7 @@ plumbing).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import types
 import warnings
@@ -71,6 +85,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Unpack
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 try:
     import returnn.frontend as rf
@@ -110,6 +125,7 @@ __all__ = [
     "is_enabled",
     "optimizer",
     "phase",
+    "sync",
     "weight_decay",
 ]
 
@@ -118,14 +134,21 @@ _TorchBackend = _rt_backend.TorchBackend
 _RFModuleAsPTModule = _rt_bridge.RFModuleAsPTModule
 
 # ---------------------------------------------------------------------------
-# phases: rf has no phase notion (paramupdates.returnn.phase pushes here)
+# phases and sync: rf has neither notion (paramupdates.returnn.phase / .sync push here)
 # ---------------------------------------------------------------------------
 _phase_stack: list[str | None] = [None]
+_sync_stack: list[str | None] = [None]
+_SYNC_KINDS = (None, "mean", "sum")
 
 
 def _check_phase(name: str | None, fn: str) -> None:
     if name not in ISSUE_PHASES:
         raise ValueError(f"{fn}: unknown phase {name!r}; use one of {', '.join(map(repr, ISSUE_PHASES))}")
+
+
+def _check_sync(how: str | None, fn: str) -> None:
+    if how not in _SYNC_KINDS:
+        raise ValueError(f"{fn}: unknown sync {how!r}; use None, 'mean' or 'sum'")
 
 
 # ---------------------------------------------------------------------------
@@ -134,8 +157,8 @@ def _check_phase(name: str | None, fn: str) -> None:
 _PU_FNS: dict[str, Callable[..., None]] = {"assign": _pu_assign, "assign_add": _pu_assign_add}
 
 
-def _issue(raw: Any, op: str, value: Any, key: Any = None, ph: str | None = None) -> None:
-    """``pu.<op>(raw, value)`` with the phase in force; rf-specific advice on errors."""
+def _issue(raw: Any, op: str, value: Any, key: Any = None, ph: str | None = None, sy: str | None = None) -> None:
+    """``pu.<op>(raw, value)`` with the phase and the sync in force; rf-specific advice on errors."""
     if not isinstance(raw, torch.Tensor):
         raise UpdateError(
             f"paramupdates.returnn: an rf.Parameter has a raw tensor of type {type(raw).__name__}; "
@@ -143,6 +166,8 @@ def _issue(raw: Any, op: str, value: Any, key: Any = None, ph: str | None = None
         )
     if ph is None:
         ph = _phase_stack[-1]
+    if sy is None:
+        sy = _sync_stack[-1]
     if op != "assign_key" and isinstance(value, torch.Tensor) and value.dim() and value.shape != raw.shape:
         # rf gives the value in the parameter's dims, possibly broadcast (size-1 axes): RETURNN's
         # copy_/add_ broadcast it; pu takes the target's shape or a scalar.
@@ -150,14 +175,20 @@ def _issue(raw: Any, op: str, value: Any, key: Any = None, ph: str | None = None
             value = value.expand(raw.shape)
     try:
         if op == "assign_key":
-            _pu_assign_key(raw, key, value, phase=ph)
+            _pu_assign_key(raw, key, value, phase=ph, sync=sy)
         else:
-            _PU_FNS[op](raw, value, phase=ph)
+            _PU_FNS[op](raw, value, phase=ph, sync=sy)
     except AmbiguousOrderError as e:
         raise AmbiguousOrderError(
             f"{e} In rf code: issue it inside `with paramupdates.returnn.phase('after_grad'):` (or "
             "'before_grad'), or call paramupdates.returnn.assign(param, value, phase='after_grad')."
         ) from None
+    except UpdateError as e:
+        if sy is None or f"sync={sy!r}" not in str(e):
+            raise
+        raise UpdateError(f"{e} {_sync_advice(str(e), sy)}") from None
+    if not _eager_in_training and _pu_read(raw) is raw and _in_training():
+        _eager_in_training.append(f"{_name_of(raw)} at {_call_site()}")
     if not isinstance(raw, Parameter) and _pu_read(raw) is not raw:
         # Recorded in a step, but rf reads the raw tensor itself: the pending value would be invisible.
         raise UpdateError(
@@ -167,6 +198,27 @@ def _issue(raw: Any, op: str, value: Any, key: Any = None, ph: str | None = None
             "config: at its top). The step must be discarded (pu.step does that; under pu.attach call "
             "attachment.discard())."
         )
+
+
+def _sync_advice(msg: str, sy: str) -> str:
+    """What to do, in rf terms, about a refused synced update (``msg``: the core's error)."""
+    if "broadcasts buffers" in msg:
+        return (
+            "With RETURNN's Engine (torch_distributed, whose DistributedDataParallel broadcasts buffers by "
+            "default, and rf auxiliary parameters are buffers of the torch module): set torch_distributed = "
+            "{'options': {'forward_sync_buffers': False}} in the config ({'broadcast_buffers': False} on "
+            "torch < 2.13)."
+        )
+    return (
+        f"In rf code the sync came from paramupdates.returnn.sync({sy!r}) or sync={sy!r}: issue this update "
+        "inside `with paramupdates.returnn.sync(None):` (or without sync=)."
+    )
+
+
+def _in_training() -> bool:
+    """Whether a RETURNN train step with the train flag on is running (``rf.init_train_step_run_ctx``)."""
+    ctx = rf.get_run_ctx()
+    return ctx.stage == "train_step" and ctx.train_flag is True
 
 
 def _parameter_assign(param: Any, value: Any, *, op: str = "assign") -> None:
@@ -345,6 +397,8 @@ def _install() -> None:
             _ORIG[key] = getattr(owner, attr)
             setattr(owner, attr, staticmethod(repl) if static else repl)
         _swap_live_saved_tensors_hooks_exit(_ORIG["saved_tensors_hooks_exit"], _saved_tensors_hooks_exit)
+        _HOOK.append(register_optimizer_step_pre_hook(_first_step_check))
+    _warn_untested_returnn()
 
 
 def _uninstall() -> None:
@@ -363,6 +417,10 @@ def _restore() -> None:
     for owner, attr, found in _SAVED.values():
         setattr(owner, attr, found)
     _SAVED.clear()
+    while _HOOK:
+        _HOOK.pop().remove()
+    _CHECKED.clear()
+    _eager_in_training.clear()
 
 
 def _swap_live_saved_tensors_hooks_exit(old: Any, new: Any) -> None:
@@ -374,6 +432,127 @@ def _swap_live_saved_tensors_hooks_exit(old: Any, new: Any) -> None:
 
 def _qualname(owner: Any) -> str:
     return getattr(owner, "__qualname__", None) or owner.__name__
+
+
+# ---------------------------------------------------------------------------
+# the RETURNN versions the bridge is tested with
+# ---------------------------------------------------------------------------
+RETURNN_TESTED = ("1.20261022", "1.20261022.211313")
+"""The RETURNN versions the bridge is tested with, ``(lowest, highest)``, inclusive: the ``returnn`` extra of
+pyproject.toml pins this range, and ``.ci/run`` installs (so tests) the highest. Widen it only after
+``tests/test_returnn.py`` (whose contract tests check what each patched RETURNN function does) passes with
+the new release."""
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    """``"1.20261022.211313"`` (a git checkout may append ``+...``): its leading integers."""
+    out = []
+    for part in version.split("+")[0].split("."):
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        if not digits:
+            break
+        out.append(int(digits))
+    return tuple(out)
+
+
+def _warn_untested_returnn() -> None:
+    import returnn
+
+    version = getattr(returnn, "__version__", "?")
+    low, high = (_version_tuple(v) for v in RETURNN_TESTED)
+    got = _version_tuple(version)
+    if not (low <= got[: len(low)] and got[: len(high)] <= high):
+        warnings.warn(
+            f"paramupdates.returnn patches private RETURNN functions (see paramupdates.returnn's docstring) and is "
+            f"tested with RETURNN {RETURNN_TESTED[0]} to {RETURNN_TESTED[1]}; this is RETURNN {version}. Run "
+            "paramupdates' tests/test_returnn.py with it (its contract tests check each patched function) before "
+            "relying on the bridge, or install the tested version: pip install 'paramupdates[returnn]'.",
+            stacklevel=3,
+        )
+
+
+# ---------------------------------------------------------------------------
+# the first optimizer step: is what the model declared (and issued) committed by paramupdates?
+# ---------------------------------------------------------------------------
+_HOOK: list[Any] = []  # the global optimizer step pre-hook, while enabled
+_CHECKED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # optimizers already checked
+_eager_in_training: list[str] = []  # the first rf update applied at once in a train step ("name at file:line")
+
+
+def _first_step_check(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Run at the first ``step()`` of every optimizer while the bridge is enabled (a global step pre-hook,
+    before the optimizer's own hooks), once per optimizer; nothing for one that steps no ``pu.Parameter``.
+
+    * Not committed by paramupdates (no ``pur.optimizer`` / ``pu.attach`` on it, no ``pu.step`` commit
+      running it): declared rules on its parameters (``pur.weight_decay``, ``pur.constrain``, ``pu.ema``,
+      ...) would never run: ``UpdateError``, nothing written. rf updates applied at once in training
+      (counters and statistics as without the bridge, doubled under checkpointing): a warning.
+    * Attached by :func:`optimizer`: a parameter decayed both by ``pur.weight_decay`` and by the
+      optimizer's ``weight_decay``: ``UpdateError``.
+    """
+    if opt in _CHECKED:
+        return
+    _CHECKED.add(opt)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    if not any(isinstance(p, Parameter) for p in params):
+        return
+    name = type(opt).__name__
+    if _committed_by_paramupdates(opt):
+        if _attachment_of(opt) is not None:
+            _refuse_double_decay(opt, f"{name}.step() at {_call_site()}")
+        return
+    ids = {id(p) for p in params}
+    rules = [r for r in _declared_rules() if r.alive() and any(id(t) in ids for t in r.tensors())]
+    fix = (
+        "In a RETURNN config: optimizer = paramupdates.returnn.optimizer({...}) (RETURNN's optimizer dict, "
+        "wrapped) and epoch_end = paramupdates.returnn.epoch_end; in a loop of your own: "
+        "pu.attach(pt_model, optimizer), or `with pu.step(pt_model, optimizer):` around the step."
+    )
+    if rules:
+        shown = "; ".join(f"{r.describe()} declared at {r.origin} on {_rule_targets(r, ids)}" for r in rules[:4])
+        raise UpdateError(
+            f"paramupdates.returnn: {name}.step() at {_call_site()} updates parameters with declared rules ({shown}), "
+            "but no paramupdates step or attachment commits this optimizer's steps, so those rules would never "
+            f"run. {fix} Nothing was written."
+        )
+    if _eager_in_training:
+        warnings.warn(
+            f"paramupdates.returnn is enabled, but no paramupdates step or attachment commits {name}.step(): the rf "
+            f"updates of training (the first: {_eager_in_training[0]}) apply at once, as RETURNN does without the "
+            "bridge: no phase order, no transaction, and rf.gradient_checkpoint_scope's recomputation updates "
+            f"counters and batch-norm statistics a second time. {fix}",
+            UserWarning,
+            stacklevel=2,
+        )
+
+
+def _rule_targets(rule: Any, ids: set[int]) -> str:
+    names = rule.names_of({id(t) for t in rule.tensors() if id(t) in ids})
+    return ", ".join(map(repr, names[:4])) + (", ..." if len(names) > 4 else "")
+
+
+def _refuse_double_decay(opt: torch.optim.Optimizer, where: str) -> None:
+    """``UpdateError`` if a weight-decay rule covers a parameter that a param group of ``opt`` decays too."""
+    rate_of = {id(p): g["weight_decay"] for g in opt.param_groups if g.get("weight_decay", 0) for p in g["params"]}
+    if not rate_of:
+        return
+    for r in _declared_rules():
+        if r.kind != "weight_decay" or not r.alive():
+            continue
+        both = {id(t) for t in r.tensors() if id(t) in rate_of}
+        if not both:
+            continue
+        names = r.names_of(both)
+        rate = rate_of[next(iter(both))]
+        raise UpdateError(
+            f"paramupdates.returnn.optimizer: {where}: {', '.join(map(repr, names[:4]))}"
+            f"{', ...' if len(names) > 4 else ''} would be decayed twice, by {r.describe()} (declared at {r.origin}, "
+            f"e.g. paramupdates.returnn.weight_decay) and by {type(opt).__name__}'s own weight_decay={rate:g} (the "
+            "optimizer options' 'weight_decay', or the optimizer's default: AdamW's is 0.01). Keep one: drop "
+            "'weight_decay' from the optimizer options and use 'class': 'adam' (Adam + paramupdates.returnn."
+            "weight_decay is AdamW, with each rf.Parameter's own rate), or remove the paramupdates.returnn."
+            "weight_decay(...) call. Nothing was written."
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -541,6 +720,7 @@ def _attach_engine_optimizer(setup: _Setup, opt: torch.optim.Optimizer) -> None:
             "param_groups_custom, so the model is unknown. Use the dict pur.optimizer(...) returns as the config's "
             "optimizer, unchanged."
         )
+    _refuse_double_decay(opt, f"the optimizer the Engine creates ({type(opt).__name__})")
     att = _pu_attach(model, opt, **setup.attach_opts)
     for key in (model, setup.rf_model, opt):
         if key is not None:
@@ -585,6 +765,28 @@ def _register_returnn_call_sites() -> None:
 
 
 _register_returnn_call_sites()
+
+
+def _declared_rules() -> list[Any]:
+    """Every declared rule, in declaration order. INTERNAL: ``paramupdates.rules.base.declared``."""
+    from ..rules.base import declared
+
+    return declared()
+
+
+def _committed_by_paramupdates(opt: torch.optim.Optimizer) -> bool:
+    """Whether an attachment commits inside ``opt.step()``, or a ``pu.step`` commit is running it.
+    INTERNAL: ``paramupdates.routing``."""
+    from .. import routing
+
+    return routing.committing_optimizer(opt) or any(att.optimizer is opt for att in routing.attachments())
+
+
+def _call_site() -> str:
+    """``file:line`` of the user's (or RETURNN's) frame that led here. INTERNAL: ``paramupdates.origin``."""
+    from ..origin import call_site
+
+    return call_site(2)
 
 
 def _name_of(raw: torch.Tensor) -> str:
@@ -654,31 +856,79 @@ def phase(name: str | None) -> Iterator[None]:
         _phase_stack.pop()
 
 
-def assign(param: Any, value: Any, *, phase: str | None = None) -> None:
-    """``param <- value``: ``rf.Parameter.assign`` with a phase (see :func:`phase`).
+@contextlib.contextmanager
+def sync(how: str | None) -> Iterator[None]:
+    """Distributed sync (rule 9, docs/distributed.md) for the rf updates issued inside the block.
+
+    Every update issued inside (``rf.Parameter.assign`` / ``assign_add`` /
+    ``assign_key``, ``rf.BatchNorm``'s running statistics, :func:`assign` & co.
+    without ``sync=``) is ``pu.assign(..., sync=how)``: at commit, every rank's
+    pending value ``v_r`` of the target is replaced on every rank by
+
+        how="mean":  (sum_r v_r) / R        (integers: floored)
+        how="sum":   sum_r v_r
+
+    so every rank commits the same statistics, and none is lost (plain
+    RETURNN under DDP keeps rank 0's). ``None`` switches sync off inside an
+    enclosing block; the innermost block wins. What docs/distributed.md
+    requires holds: only non-trainable targets (auxiliary ``rf.Parameter``\\ s,
+    batch-norm statistics), all updates of a synced target of one step in one
+    phase, every rank commits together (under RETURNN's Engine: inside
+    ``optimizer.step()``, which every rank calls), and no DDP that broadcasts
+    buffers (RETURNN's ``torch_distributed`` default: set ``"options":
+    {"forward_sync_buffers": False}``). Outside a step a synced update is
+    reduced at once (one blocking all-reduce each, so every rank must issue
+    it): keep evaluation, which RETURNN runs on rank 0 only, out of the block,
+    e.g. ``with pur.sync("mean" if rf.get_run_ctx().train_flag else None):``.
+    """
+    _check_sync(how, "paramupdates.returnn.sync")
+    _sync_stack.append(how)
+    try:
+        yield
+    finally:
+        _sync_stack.pop()
+
+
+def assign(param: Any, value: Any, *, phase: str | None = None, sync: str | None = None) -> None:
+    """``param <- value``: ``rf.Parameter.assign`` with a phase (see :func:`phase`) and a sync (see :func:`sync`).
 
     ``value``: an rf ``Tensor`` (in a subset of ``param``'s dims, broadcast) or a
     Python number. Inside a step the update is recorded and committed in
     ``phase`` (``None``: the enclosing :func:`phase` block's); outside, applied at once.
+    ``sync``: ``"mean"`` / ``"sum"`` across ranks (``None``: the enclosing :func:`sync` block's).
     """
     _check_phase(phase, "paramupdates.returnn.assign")
+    _check_sync(sync, "paramupdates.returnn.assign")
     raw, value = _raw_and_value(param, value)
-    _issue(raw, "assign", value.copy_compatible_to_dims_raw(param.dims), ph=phase)
+    _issue(raw, "assign", value.copy_compatible_to_dims_raw(param.dims), ph=phase, sy=sync)
 
 
-def assign_add(param: Any, value: Any, *, phase: str | None = None) -> None:
-    """``param <- param + value``: ``rf.Parameter.assign_add`` with a phase (see :func:`phase`)."""
+def assign_add(param: Any, value: Any, *, phase: str | None = None, sync: str | None = None) -> None:
+    """``param <- param + value``: ``rf.Parameter.assign_add`` with a phase (see :func:`phase`) and a sync
+    (see :func:`sync`; the sum of the ranks' values ``param + value_r``, not of the deltas)."""
     _check_phase(phase, "paramupdates.returnn.assign_add")
+    _check_sync(sync, "paramupdates.returnn.assign_add")
     raw, value = _raw_and_value(param, value)
-    _issue(raw, "assign_add", value.copy_compatible_to_dims_raw(param.dims), ph=phase)
+    _issue(raw, "assign_add", value.copy_compatible_to_dims_raw(param.dims), ph=phase, sy=sync)
 
 
-def assign_key(param: Any, axis: Any, key: Any, key_dim: Any, value: Any, *, phase: str | None = None) -> None:
-    """``param[key] <- value`` along ``axis``: ``rf.Parameter.assign_key`` with a phase (see :func:`phase`)."""
+def assign_key(
+    param: Any,
+    axis: Any,
+    key: Any,
+    key_dim: Any,
+    value: Any,
+    *,
+    phase: str | None = None,
+    sync: str | None = None,
+) -> None:
+    """``param[key] <- value`` along ``axis``: ``rf.Parameter.assign_key`` with a phase (see :func:`phase`)
+    and a sync (see :func:`sync`)."""
     _check_phase(phase, "paramupdates.returnn.assign_key")
+    _check_sync(sync, "paramupdates.returnn.assign_key")
     raw, value = _raw_and_value(param, value)
     key_raw, res_dims = _key_raw(param, axis, key, key_dim)
-    _issue(raw, "assign_key", value.copy_compatible_to_dims_raw(res_dims), key_raw, ph=phase)
+    _issue(raw, "assign_key", value.copy_compatible_to_dims_raw(res_dims), key_raw, ph=phase, sy=sync)
 
 
 def weight_decay(params: Any, *, scale_by_lr: bool = True) -> list[Any]:
@@ -748,7 +998,9 @@ def optimizer(opts: str | type | dict[str, Any] = "adam", **options: Unpack[Step
     ``weight_decay_modules_blacklist``, ...). Not supported, with a
     ``pu.UpdateError`` when the Engine creates the optimizer:
     ``torch_optimizer_step`` and ``torch_cuda_graph`` (a replayed, captured
-    optimizer step runs no step hooks; a captured forward issues no updates).
+    optimizer step runs no step hooks; a captured forward issues no updates),
+    and a parameter that both a declared ``pur.weight_decay`` and a param group
+    with ``weight_decay > 0`` decay (AdamW's default is 0.01): decayed twice.
     """
     make_options(dict(options), "paramupdates.returnn.optimizer")  # refuse a bad option now
     return _engine_optimizer_opts(opts, dict(options))

@@ -55,7 +55,7 @@ def test_sees_the_committed_running_statistics():
         with pu.step(m, opt):
             m(x).sum().backward()
         opt.zero_grad()
-        a_acc = torch.lerp(a_acc, m.acc, 0.5)  # the value committed by this step, not the one before
+        a_acc = torch.lerp(a_acc, m.acc, 1 - 0.5)  # the value committed by this step, not the one before
         assert torch.equal(bits(averaged.acc), bits(a_acc))
         assert torch.equal(averaged.count, m.count)  # integer buffer: copied
 
@@ -367,9 +367,10 @@ def test_float32_average_of_a_bfloat16_model():
         with pu.step(m, opt):
             m(x.to(torch.bfloat16)).float().pow(2).mean().backward()
         opt.zero_grad()
+        w = 1 - 0.999  # the rule's weight, and its factors 1 - w and w (1 - w is 0.999 only by luck)
         for k, v in m.state_dict().items():
             if k in ref:
-                ref[k].mul_(0.999).add_(v, alpha=1 - 0.999)  # one tensor at a time: the same kernels
+                ref[k].mul_(1 - w).add_(v, alpha=w)  # one tensor at a time: the same kernels
     got = wide.state_dict()
     for k, v in ref.items():
         assert got[k].dtype == torch.float32 and torch.equal(bits(got[k]), bits(v)), k

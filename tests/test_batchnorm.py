@@ -5,6 +5,7 @@ same state on the same data and compares outputs, input and parameter
 gradients and every buffer bitwise (CPU).
 """
 
+import contextlib
 import inspect
 
 import pytest
@@ -228,3 +229,119 @@ def test_statistics_become_the_pending_values_without_a_copy():
         ref.running_var.fill_(5.0)
     ref(x)
     assert torch.equal(bn.running_mean, ref.running_mean) and torch.equal(bn.running_var, ref.running_var)
+
+
+# --- drop-in: every argument of the installed torch's classes (issue 24, item 9) --------------------------
+PAIRS = [
+    (nn.BatchNorm1d, pu.nn.BatchNorm1d, (6, 3, 4)),
+    (nn.BatchNorm2d, pu.nn.BatchNorm2d, (4, 3, 5, 2)),
+    (nn.BatchNorm3d, pu.nn.BatchNorm3d, (3, 3, 2, 3, 2)),
+    (nn.SyncBatchNorm, pu.nn.SyncBatchNorm, (4, 3, 5, 2)),  # one process: a batch norm
+]
+# a value other than the default for every argument torch's batch norms take (bias= since torch 2.x)
+NON_DEFAULT = {
+    "eps": 1e-3,
+    "momentum": None,
+    "affine": False,
+    "track_running_stats": False,
+    "device": "cpu",
+    "dtype": torch.float64,
+    "bias": False,
+    "process_group": None,
+}
+
+
+def _assert_drop_in(tcls, pcls, kwargs, shape, args=(3,)):
+    """Same init, then the same outputs, input and parameter gradients and state_dict, bitwise, in train
+    and eval mode, eagerly and in pu.step."""
+    torch.manual_seed(0)
+    ref = tcls(*args, **kwargs)
+    torch.manual_seed(0)
+    mod = pcls(*args, **kwargs)
+    rs, ms = ref.state_dict(), mod.state_dict()
+    assert list(rs) == list(ms), kwargs
+    for k in rs:
+        _assert_bits(rs[k], ms[k], k)
+    dtype = ref.running_mean.dtype if ref.running_mean is not None else kwargs.get("dtype", torch.float32)
+    xs = [torch.randn(shape, dtype=dtype) * 2 + 1 for _ in range(2)]
+    for train in (True, False):
+        for in_step in (False, True):
+            ro, rg = _run(ref, xs, train)
+            mo, mg = _run(mod, xs, train, pu.step if in_step else None)
+            for i in range(len(xs)):
+                _assert_bits(ro[i], mo[i], f"output {i} ({kwargs}, train={train}, in_step={in_step})")
+                _assert_bits(rg[i], mg[i], f"input grad {i} ({kwargs})")
+            _assert_modules(ref, mod)
+    assert repr(ref).replace(type(ref).__name__, "") == repr(mod).replace(type(mod).__name__, "")
+
+
+@pytest.mark.parametrize("tcls,pcls,shape", PAIRS, ids=lambda c: getattr(c, "__name__", ""))
+def test_every_argument_of_torchs_class_is_accepted(tcls, pcls, shape):
+    """The signature is the installed torch class's plus sync_stats; each argument, given alone with a
+    value other than its default (bias=False raised TypeError before issue 24), builds the module torch
+    builds, which then trains and evaluates as torch's does."""
+    theirs = inspect.signature(tcls).parameters
+    ours = dict(inspect.signature(pcls).parameters)
+    assert ours.pop("sync_stats").default is False
+    assert [(p.name, p.kind, p.default) for p in ours.values()] == [
+        (p.name, p.kind, p.default) for p in theirs.values()
+    ]
+    for name in list(theirs)[1:]:
+        assert name in NON_DEFAULT, f"torch's {tcls.__name__} takes {name!r}: give this test a value for it"
+        _assert_drop_in(tcls, pcls, {name: NON_DEFAULT[name]}, shape)
+    _assert_drop_in(tcls, pcls, {"bias": False, "momentum": None, "eps": 1e-4}, shape)
+    positional = [p for p in theirs.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
+    assert pcls(*[3, *(p.default for p in positional[1:])]).sync_stats is False  # every positional one too
+
+
+def _module_db_batchnorms():
+    try:
+        from torch.testing._internal.common_modules import module_db  # needs expecttest (the test extra)
+    except Exception as exc:  # noqa: BLE001 - an internal torch module: any failure to import is a skip
+        pytest.skip(f"torch.testing._internal.common_modules does not import: {exc}")
+    return {m.module_cls: m for m in module_db if m.module_cls in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)}
+
+
+@pytest.mark.parametrize(
+    "tcls,pcls,entry",
+    [(t, p, t) for t, p, _ in PAIRS[:3]]
+    + [
+        (nn.SyncBatchNorm, pu.nn.SyncBatchNorm, nn.BatchNorm2d),
+        (nn.SyncBatchNorm, pu.nn.SyncBatchNorm, nn.BatchNorm3d),
+    ],
+    ids=lambda c: getattr(c, "__name__", ""),
+)
+def test_pytorchs_own_module_inputs(tcls, pcls, entry):
+    """PyTorch's own test cases for its batch norms (``module_db``'s ``module_inputs_func``, the inputs of
+    test/test_modules.py: affine, not affine, bias=False, cumulative average, not tracking, zero batch, ...):
+    the pu class built from the same constructor input equals torch's, bitwise, in train and eval mode."""
+    info = _module_db_batchnorms()[entry]
+    n = 0
+    for training in (True, False):
+        for mi in info.module_inputs_func(
+            info, device="cpu", dtype=torch.float32, requires_grad=True, training=training
+        ):
+            args, kwargs = mi.constructor_input.args, mi.constructor_input.kwargs
+            torch.manual_seed(0)
+            ref = tcls(*args, **kwargs).train(training)
+            torch.manual_seed(0)
+            mod = pcls(*args, **kwargs).train(training)
+            for in_step in (False, True):
+                x = mi.forward_input.args[0].detach()
+                outs = []
+                for m in (ref, mod):
+                    xi = x.clone().requires_grad_(True)
+                    with pu.step(m) if in_step and m is mod else contextlib.nullcontext():
+                        y = m(xi)
+                        if y.numel():
+                            (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+                    outs.append((y.detach(), xi.grad))
+                (yr, gr), (ym, gm) = outs
+                _assert_bits(yr, ym, f"{mi.desc}: output")
+                if gr is not None or gm is not None:
+                    _assert_bits(gr, gm, f"{mi.desc}: input grad")
+                _assert_modules(ref, mod)
+                ref.zero_grad()
+                mod.zero_grad()
+            n += 1
+    assert n >= 14  # every case of the entry, in both modes

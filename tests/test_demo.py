@@ -56,8 +56,27 @@ def test_checkpointing_contrast_detected(result):
     assert torch_c.num_batches_tracked == 2 * steps
     assert torch_c.max_mean_diff > 0.0 and torch_c.max_var_diff > 0.0
     text = demo.report(result)
-    assert "bitwise equal to the reference" in text
-    assert "WRONG: counted 2x per step" in text
+    assert "bitwise the reference: the model trained without checkpointing" in text
+    assert "WRONG: not the model trained without checkpointing" in text
+    assert "(2x)" in text and "Accuracy is not the measure" in text
+
+
+def test_the_evaluated_model_is_the_reference_only_with_paramupdates(result):
+    """The harm shown (issue 24, item 7: before, the demo showed accuracy only, where torch's variant
+    scored higher): under torch's checkpointing the model evaluated after training is not the model
+    trained without checkpointing; under pu.checkpoint it is, bitwise (test logits, model and EMA copy)."""
+    ref, pu_run, tc = (result.runs[n] for n in demo.VARIANTS)
+    assert len(pu_run.eval) == len(tc.eval) == 2
+    for e, r in zip(pu_run.eval, ref.eval):
+        assert torch.equal(bits(e.logits), bits(r.logits)) and torch.equal(bits(e.ema_logits), bits(r.ema_logits))
+    pu_c, torch_c = result.contrasts["pu"], result.contrasts["torch"]
+    assert pu_c.outputs_equal and pu_c.logit_diff == pu_c.ema_logit_diff == 0.0 and pu_c.preds_differ == 0
+    assert not torch_c.outputs_equal and torch_c.logit_diff > 0.0 and torch_c.ema_logit_diff > 0.0
+    assert torch_c.logit_diff == float((tc.eval[-1].logits - ref.eval[-1].logits).abs().max())
+    # what the plot draws: the counter (2x for torch), the statistics' distance to the reference
+    assert pu_run.counter == ref.counter == list(range(1, result.steps + 1))
+    assert tc.counter == [2 * k for k in range(1, result.steps + 1)]
+    assert set(pu_run.stat_diff) == {0.0} and max(tc.stat_diff) > 0.0
 
 
 def test_weights_agree_only_statistics_differ(result):
@@ -88,8 +107,8 @@ def test_command_line(tmp_path, capsys):
     rc = demo.main(["--epochs", "1", "--train-size", "128", "--out", str(tmp_path), "--no-progress", "--seed", "3"])
     assert rc == 0
     out = capsys.readouterr().out
-    assert "Test accuracy" in out and "EMA copy" in out
-    assert "Checkpointing check" in out and "(2x)" in out
+    assert "Test accuracy" in out and "EMA copy" in out and "Accuracy is not the measure" in out
+    assert "Checkpointing check" in out and "(2x)" in out and "not the model trained without checkpointing" in out
     assert "before_grad" in out  # the schedule is printed
     png = tmp_path / "paramupdates-demo.png"
     assert png.exists() and f"Plot: {png}" in out

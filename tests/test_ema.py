@@ -55,7 +55,7 @@ def test_sees_the_committed_running_statistics():
         with pu.step(m, opt):
             m(x).sum().backward()
         opt.zero_grad()
-        a_acc = torch.lerp(a_acc, m.acc, 0.5)  # the value committed by this step, not the one before
+        a_acc = torch.lerp(a_acc, m.acc, 1 - 0.5)  # the value committed by this step, not the one before
         assert torch.equal(bits(averaged.acc), bits(a_acc))
         assert torch.equal(averaged.count, m.count)  # integer buffer: copied
 
@@ -251,17 +251,25 @@ def _steps(m, opt, xs):
         opt.zero_grad()
 
 
-def test_counter_is_a_buffer_of_the_copy_so_saving_the_copy_alone_resumes_bitwise(tmp_path):
+def _saved(obj, path, **load):
+    torch.save(obj, path)
+    return torch.load(path, **load)
+
+
+@pytest.mark.parametrize("weights_only", [True, False])
+def test_saving_the_copy_alone_resumes_the_warmup_bitwise(tmp_path, weights_only):
     """A framework that saves only the averaged copy (timm's CheckpointSaver, a Lightning module holding it)
-    keeps the warmup state. Before issue 17, t lived only in the rule: the copy's state_dict had no
-    counter, and a resumed warmup restarted at t = 0."""
+    keeps the warmup state: ``t`` travels in the metadata of the copy's state_dict. (Before issue 17, t
+    lived only in the rule and a resumed warmup restarted at t = 0; from issue 17 to 24 it was a buffer.)"""
     data = _data(6)
     m = _bn_net()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     averaged = pu.ema(m, 0.99, warmup=True)
     _steps(m, opt, data[:3])
-    assert int(averaged.state_dict()["pu_ema_updates"]) == rule_of(averaged).updates == 3
-    torch.save({"model": m.state_dict(), "opt": opt.state_dict(), "ema": averaged.state_dict()}, tmp_path / "c.pt")
+    sd = averaged.state_dict()
+    assert sd._metadata[""]["pu_ema_updates"] == rule_of(averaged).updates == 3
+    assert list(sd) == list(m.state_dict())  # no tensor beside the model's
+    saved = _saved({"model": m.state_dict(), "opt": opt.state_dict(), "ema": sd}, tmp_path / "c.pt")
     _steps(m, opt, data[3:])
     expect = snapshot(m, averaged)
 
@@ -269,37 +277,132 @@ def test_counter_is_a_buffer_of_the_copy_so_saving_the_copy_alone_resumes_bitwis
     m2 = _bn_net()
     opt2 = torch.optim.SGD(m2.parameters(), lr=0.1)
     averaged2 = pu.ema(m2, 0.99, warmup=True)
-    saved = torch.load(tmp_path / "c.pt")  # weights_only=True: plain tensors
+    saved = torch.load(tmp_path / "c.pt", weights_only=weights_only)
     m2.load_state_dict(saved["model"])
     opt2.load_state_dict(saved["opt"])
     averaged2.load_state_dict(saved["ema"])  # the copy alone, no pu state_dict
     assert rule_of(averaged2).updates == 3
     _steps(m2, opt2, data[3:])
     assert_same(expect, snapshot(m2, averaged2))
-    assert int(averaged2.pu_ema_updates) == 6
+    assert rule_of(averaged2).updates == 6
 
 
-def test_counter_follows_the_copy_when_it_is_written_or_moved():
+def test_the_copy_loads_into_the_model_strictly_and_its_buffers_pair_with_the_models():
+    """The most common EMA pattern: evaluate or export the averaged weights by loading them into the model,
+    and code written for ``AveragedModel(...).module``. Failed before issue 24: the copy had an extra root
+    buffer, pu_ema_updates ('Unexpected key(s)'; zip(copy.buffers(), model.buffers()) off by one)."""
+    m = _bn_net()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    averaged = pu.ema(m, 0.5)
+    _steps(m, opt, _data(3))
+    swa = AveragedModel(m, use_buffers=True)
+    assert list(averaged.state_dict()) == list(m.state_dict()) == list(swa.module.state_dict())
+    assert [n for n, _ in averaged.named_buffers()] == [n for n, _ in m.named_buffers()]
+    for (na, a), (nb, b) in zip(averaged.named_buffers(), m.named_buffers()):
+        assert na == nb and a.shape == b.shape and a.dtype == b.dtype
+    target = copy.deepcopy(m)
+    keys = target.load_state_dict(averaged.state_dict())  # strict: no missing, no unexpected key
+    assert keys.missing_keys == keys.unexpected_keys == []
+    assert_same(snapshot(target), snapshot(averaged))
+    target.load_state_dict(pu.rules.ema.weights(averaged))  # the older spelling still works
+    assert_same(snapshot(target), snapshot(averaged))
+    assert rule_of(averaged).updates == 3  # loading the copy elsewhere leaves its t alone
+
+
+def test_counter_travels_with_a_module_that_holds_the_copy(tmp_path):
+    """A LightningModule-like holder: its state_dict carries t under the copy's prefix; loading it restores t."""
+
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = _bn_net()
+            self.ema = pu.ema(self.net, 0.9, warmup=True)
+
+    h = Holder()
+    _steps(h.net, torch.optim.SGD(h.net.parameters(), lr=0.1), _data(4))
+    sd = _saved(h.state_dict(), tmp_path / "h.pt")  # weights_only=True
+    assert sd._metadata["ema"]["pu_ema_updates"] == 4 and "ema.pu_ema_updates" not in sd
+    fresh = Holder()
+    fresh.load_state_dict(sd)
+    assert rule_of(fresh.ema).updates == 4
+    assert_same(snapshot(h), snapshot(fresh))
+    fresh.load_state_dict(dict(sd))  # a plain dict: no metadata, t left as it is
+    assert rule_of(fresh.ema).updates == 4
+
+
+def test_a_state_saved_with_the_counter_buffer_still_loads(tmp_path):
+    """Checkpoints written before issue 24 hold t as the copy's buffer ``pu_ema_updates`` (and no metadata
+    entry): the copy, a module holding it and a Stepper load them strictly and take t from them."""
+    m = _bn_net()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    averaged = pu.ema(m, 0.9, warmup=True)
+    _steps(m, opt, _data(2))
+    old = dict(averaged.state_dict())  # (a plain dict: no metadata, as the old layout had none for t)
+    old["pu_ema_updates"] = torch.tensor(5)
+    fresh_m = _bn_net()
+    fresh = pu.ema(fresh_m, 0.9, warmup=True)
+    keys = fresh.load_state_dict(_saved(old, tmp_path / "old.pt"))  # strict
+    assert keys.missing_keys == keys.unexpected_keys == []
+    assert rule_of(fresh).updates == 5
+    assert_same(snapshot(averaged), snapshot(fresh))
+    holder = nn.Module()
+    holder.ema = fresh
+    holder.load_state_dict({f"ema.{k}": (torch.tensor(7) if k == "pu_ema_updates" else v) for k, v in old.items()})
+    assert rule_of(fresh).updates == 7
+    stepper = pu.Stepper(fresh_m, torch.optim.SGD(fresh_m.parameters(), lr=0.1))
+    state = stepper.state_dict()
+    (key,) = [k for k in state["rules"] if k.endswith(":ema")]
+    entry = state["rules"][key]
+    state["rules"][key] = {**entry, "module": {**old, "pu_ema_updates": torch.tensor(9)}, "updates": 9}
+    stepper.load_state_dict(_saved(state, tmp_path / "stepper.pt"))  # the old Stepper layout
+    assert rule_of(fresh).updates == 9
+
+
+def test_counter_is_read_and_set_through_the_rule_and_survives_moves():
     m = nn.Linear(3, 2)
     averaged = pu.ema(m, 0.9, warmup=True)
     rule = rule_of(averaged)
-    with torch.no_grad():
-        averaged.pu_ema_updates.fill_(7)
-    assert rule.updates == 7 and rule.decay_at(rule.updates) == min(0.9, 8 / 17)
-    averaged.pu_ema_updates = torch.tensor(11)  # a new tensor object in the slot
-    assert rule.updates == 11
-    rule.updates = 2
-    assert int(averaged.pu_ema_updates) == 2
+    rule.updates = 7
+    assert rule.decay_at(rule.updates) == min(0.9, 8 / 17)
+    assert averaged.state_dict()._metadata[""]["pu_ema_updates"] == 7
+    averaged.to(torch.float64).to(torch.float32)  # no tensor to move: t stays
+    m.double()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with pu.step(m, opt):
+        m(torch.randn(2, 3, dtype=torch.float64)).sum().backward()
+    assert rule.updates == 8 and averaged.weight.dtype == torch.float64
+    twin = copy.deepcopy(averaged)  # a deep copy carries its own t
+    rule.updates = 1
+    assert twin.state_dict()._metadata[""]["pu_ema_updates"] == 8
+    with pytest.raises(ValueError, match="averaged copy"):
+        pu.ema(averaged, 0.9)
 
 
-def test_weights_load_into_the_model_strictly():
-    m = _bn_net()
-    averaged = pu.ema(m, 0.5)
-    with pytest.raises(RuntimeError, match="pu_ema_updates"):
-        copy.deepcopy(m).load_state_dict(averaged.state_dict())
-    target = copy.deepcopy(m)
-    target.load_state_dict(pu.rules.ema.weights(averaged))
-    assert_same(snapshot(target), snapshot(m))
+def test_swa_utils_usage_on_the_copy_equals_averaged_model(tmp_path):
+    """test/optim/test_swa_utils.py's patterns on a pu.ema copy under an attachment: the averages equal
+    AveragedModel's, update_bn recomputes its statistics as on AveragedModel(...).module, and the whole
+    copy pickles with its t."""
+    m = pu.convert(_bn_net())
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    ours = pu.ema(m, 0.9)
+    pu.attach(m, opt)
+    swa = AveragedModel(m, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+    swa.update_parameters(m)  # its first update copies; ours starts from the copy
+    for x in _data(3):
+        m(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        swa.update_parameters(m)
+    for (k, a), b in zip(ours.state_dict().items(), swa.module.state_dict().values()):
+        if a.is_floating_point():
+            assert torch.equal(bits(a), bits(b)), k
+    loader = _data(4)
+    torch.optim.swa_utils.update_bn(loader, ours)
+    torch.optim.swa_utils.update_bn(loader, swa.module)
+    assert_same(snapshot(ours), snapshot(swa.module))  # num_batches_tracked too
+    back = _saved(ours, tmp_path / "copy.pt", weights_only=False)
+    assert back.state_dict()._metadata[""]["pu_ema_updates"] == 3
+    assert_same(snapshot(back), snapshot(ours))
 
 
 def test_a_rolled_back_commit_restores_the_counter():
@@ -314,7 +417,7 @@ def test_a_rolled_back_commit_restores_the_counter():
     with pytest.raises(RuntimeError, match="boom"):
         with pu.step(m, opt):
             m(torch.randn(2, 3)).sum().backward()
-    assert rule_of(averaged).updates == 0 and int(averaged.pu_ema_updates) == 0
+    assert rule_of(averaged).updates == 0 and averaged.state_dict()._metadata[""]["pu_ema_updates"] == 0
 
 
 def test_timm_warmup_formula():
@@ -345,7 +448,7 @@ def test_timm_warmup_equals_timm_model_ema_v3_bitwise():
         opt.zero_grad()
         theirs.update(m, step=step)  # timm's train.py: step = updates so far, this one included
     ref = theirs.module.state_dict()
-    for k, v in pu.rules.ema.weights(ours).items():
+    for k, v in ours.state_dict().items():
         assert torch.equal(bits(v), bits(ref[k])), k
 
 
@@ -367,9 +470,10 @@ def test_float32_average_of_a_bfloat16_model():
         with pu.step(m, opt):
             m(x.to(torch.bfloat16)).float().pow(2).mean().backward()
         opt.zero_grad()
+        w = 1 - 0.999  # the rule's weight, and its factors 1 - w and w (1 - w is 0.999 only by luck)
         for k, v in m.state_dict().items():
             if k in ref:
-                ref[k].mul_(0.999).add_(v, alpha=1 - 0.999)  # one tensor at a time: the same kernels
+                ref[k].mul_(1 - w).add_(v, alpha=w)  # one tensor at a time: the same kernels
     got = wide.state_dict()
     for k, v in ref.items():
         assert got[k].dtype == torch.float32 and torch.equal(bits(got[k]), bits(v)), k
@@ -377,7 +481,7 @@ def test_float32_average_of_a_bfloat16_model():
     assert not torch.equal(wide[0].weight, start.float())  # moved
     assert torch.equal(narrow[0].weight, start)  # 0.001 * (p - a) is below bfloat16's resolution: stuck
     target = copy.deepcopy(m)
-    target.load_state_dict(pu.rules.ema.weights(wide))  # cast back by load_state_dict
+    target.load_state_dict(wide.state_dict())  # cast back by load_state_dict
     assert target[0].weight.dtype == torch.bfloat16
 
 
@@ -396,7 +500,7 @@ def test_float32_average_equals_timm_model_ema_v3_with_dtype():
         opt.zero_grad()
         theirs.update(m, step=step)
     ref = theirs.module.state_dict()
-    for k, v in pu.rules.ema.weights(ours).items():
+    for k, v in ours.state_dict().items():
         assert v.dtype == ref[k].dtype and torch.equal(bits(v), bits(ref[k])), k
 
 
@@ -431,7 +535,7 @@ def test_cpu_average_of_a_cuda_model_equals_the_average_on_the_gpu():
     on_cpu = pu.ema(m, 0.9, device="cpu")
     on_gpu = pu.ema(m, 0.9)
     _steps(m, opt, [x.cuda() for x in _data(3)])
-    assert on_cpu[0].weight.device.type == "cpu" and on_cpu.pu_ema_updates.device.type == "cpu"
+    assert on_cpu[0].weight.device.type == "cpu"
     for (k, a), b in zip(on_cpu.state_dict().items(), on_gpu.state_dict().values()):
         if a.is_floating_point():  # the same lerp on two devices: equal up to rounding (FMA on the GPU)
             torch.testing.assert_close(a, b.cpu(), rtol=1e-6, atol=1e-6, msg=k)

@@ -46,7 +46,6 @@ WD = 0.1
 EMA_DECAY = 0.5
 TOL = dict(atol=1e-6, rtol=1e-6)
 EPS = 1e-7  # keras.backend.epsilon(), as pu's norm constraints
-COUNTER = "pu_ema_updates"  # the averaged copy's buffer that counts EMA updates
 
 
 # ----------------------------------------------------------------------------
@@ -204,12 +203,15 @@ def results_of(model: nn.Module, avg: nn.Module | None) -> dict:
     }
     if avg is not None:
         out["ema"] = {n: full(p) for n, p in avg.named_parameters()}
-        # the copy's own counter buffer (pu_ema_updates: the number of EMA updates) is checked apart
-        out["ema_buffers"] = {n: b.detach().clone() for n, b in avg.named_buffers() if n != COUNTER}
-        out["ema_updates"] = int(avg.get_buffer(COUNTER))
+        # the copy's buffers are the model's, name for name; t (the number of EMA updates) travels in
+        # the metadata of its state_dict
+        assert [n for n, _ in avg.named_buffers()] == [n for n, _ in model.named_buffers()]
+        out["ema_buffers"] = {n: b.detach().clone() for n, b in avg.named_buffers()}
         with torch.no_grad():
             out["ema_eval"] = avg(EVAL_X)  # FSDP all-gathers the averaged copy: every rank calls it
-        out["ema_saved"] = {k: full(v) for k, v in avg.state_dict().items() if k != COUNTER}  # DTensors
+        saved = avg.state_dict()
+        out["ema_updates"] = saved._metadata[""]["pu_ema_updates"]
+        out["ema_saved"] = {k: full(v) for k, v in saved.items()}  # DTensors
     return out
 
 

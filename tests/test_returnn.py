@@ -669,12 +669,12 @@ def test_phase_of_rf_assign(bridge, how):
     x = rf.convert_to_tensor(torch.tensor([1.0, 2.0, 3.0]), dims=[_IN])
     with pu.step(pt, opt) as s:
         net(x).raw_tensor.backward()
-    w, g = torch.ones(3), torch.tensor([1.0, 2.0, 3.0])
-    if how == "before_grad":
-        w = w + 0.5
-        want = w - 0.1 * (g + 0.5 * w)
-    else:
-        want = (w - 0.1 * (g + 0.5 * w)) + 0.5
+    # the anchor: torch's SGD on the value it sees (w + 0.5 before_grad; w after_grad, then + 0.5);
+    # a formula by hand (w - 0.1 * (g + 0.5 * w)) rounds differently where SGD's add(alpha=) fuses
+    w = torch.nn.Parameter(torch.ones(3) + (0.5 if how == "before_grad" else 0.0))
+    w.grad = torch.tensor([1.0, 2.0, 3.0])
+    torch.optim.SGD([w], lr=0.1, weight_decay=0.5).step()
+    want = w.detach() if how == "before_grad" else w.detach() + 0.5
     assert torch.equal(bits(net.w.raw_tensor.detach()), bits(want))
     assert [r.phase for r in s.schedule() if r.target == "w"] == [
         "before_grad" if how == "before_grad" else "after_grad"
@@ -812,7 +812,10 @@ def test_constrain_rf_parameter(bridge):
     with pu.step(pt, opt) as s:
         rf.reduce_sum(net(x) ** 2, axis=[batch_dim, _IN]).raw_tensor.backward()
         g = net.a.weight.raw_tensor.grad.clone()
-    w = w0 - 0.5 * g
+    w = torch.nn.Parameter(w0.clone())  # the anchor: torch's SGD, then Keras' formula on its result
+    w.grad = g
+    torch.optim.SGD([w], lr=0.5).step()
+    w = w.detach()
     n = torch.linalg.vector_norm(w, dim=0, keepdim=True)
     want = w * (n.clamp(0, 0.05) / (1e-7 + n))
     assert torch.equal(bits(net.a.weight.raw_tensor.detach()), bits(want))

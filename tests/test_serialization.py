@@ -64,4 +64,4 @@ def test_stepper_state_with_an_ema_round_trips_with_weights_only():
     state = _round_trip(stepper.state_dict())
     fresh = pu.Stepper(m, opt)
     fresh.load_state_dict(state)
-    assert int(averaged.pu_ema_updates) == 1 and fresh.steps == 1
+    assert pu.rules.ema.rule_of(averaged).updates == 1 and fresh.steps == 1

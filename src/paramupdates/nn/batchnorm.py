@@ -1,7 +1,8 @@
 """Batch normalization whose running statistics are updated through ``pu.assign``.
 
 ``pu.nn.BatchNorm1d/2d/3d`` (and ``pu.nn.SyncBatchNorm``) are drop-in
-subclasses of their ``torch.nn`` counterparts: same constructor arguments,
+subclasses of their ``torch.nn`` counterparts: the constructor arguments of
+the installed torch's class (passed through as given, ``bias=`` included), plus ``sync_stats``;
 same parameters, buffers and ``state_dict`` keys, same outputs and gradients.
 Only the way the running statistics change differs. In train mode with
 ``track_running_stats=True`` a forward issues (in the ``pu.when`` conditions in force):
@@ -39,6 +40,7 @@ batch statistics).
 from __future__ import annotations
 
 import dis
+import inspect
 from typing import Any
 
 import torch
@@ -229,23 +231,22 @@ class UpdateSafeBatchNorm:
         )
 
 
-class _BatchNormNd(UpdateSafeBatchNorm):
-    """The constructor shared by BatchNorm1d/2d/3d: torch's arguments plus ``sync_stats``."""
+def _with_sync_stats(torch_cls: type[nn.Module]) -> inspect.Signature:
+    """The signature of ``torch_cls`` (the installed torch's), plus the keyword-only ``sync_stats=False``."""
+    sig = inspect.signature(torch_cls)
+    extra = inspect.Parameter("sync_stats", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=bool)
+    params = list(sig.parameters.values())
+    at = next((i for i, p in enumerate(params) if p.kind is inspect.Parameter.VAR_KEYWORD), len(params))
+    return sig.replace(parameters=[*params[:at], extra, *params[at:]])
 
-    def __init__(
-        self,
-        num_features: int,
-        eps: float = 1e-5,
-        momentum: float | None = 0.1,
-        affine: bool = True,
-        track_running_stats: bool = True,
-        device: Any = None,
-        dtype: Any = None,
-        *,
-        sync_stats: bool = False,
-    ) -> None:
+
+class _BatchNormNd(UpdateSafeBatchNorm):
+    """The constructor shared by BatchNorm1d/2d/3d: every argument of the installed torch's class
+    (passed through as given: ``bias=`` since torch 2.x, whatever a later torch adds), plus ``sync_stats``."""
+
+    def __init__(self, *args: Any, sync_stats: bool = False, **kwargs: Any) -> None:
         # super() is the torch.nn.BatchNorm{1,2,3}d that follows this class in the MRO.
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)  # type: ignore[call-arg]
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         self._init_sync(sync_stats)
 
 
@@ -288,22 +289,8 @@ class SyncBatchNorm(UpdateSafeBatchNorm, nn.SyncBatchNorm):
     commit (useful only when ranks could differ).
     """
 
-    def __init__(
-        self,
-        num_features: int,
-        eps: float = 1e-5,
-        momentum: float | None = 0.1,
-        affine: bool = True,
-        track_running_stats: bool = True,
-        process_group: Any = None,
-        device: Any = None,
-        dtype: Any = None,
-        *,
-        sync_stats: bool = False,
-    ) -> None:
-        nn.SyncBatchNorm.__init__(
-            self, num_features, eps, momentum, affine, track_running_stats, process_group, device, dtype
-        )
+    def __init__(self, *args: Any, sync_stats: bool = False, **kwargs: Any) -> None:
+        nn.SyncBatchNorm.__init__(self, *args, **kwargs)  # every argument of the installed torch's class
         self._init_sync(sync_stats)
 
     def _world(self) -> tuple[Any, int] | None:
@@ -329,6 +316,16 @@ class SyncBatchNorm(UpdateSafeBatchNorm, nn.SyncBatchNorm):
     def forward(self, input: Tensor) -> Tensor:  # noqa: D102 - see class docstring
         self._check_non_zero_input_channels(input)
         return super().forward(input)
+
+
+# inspect.signature / help() show torch's arguments (of the installed version) and sync_stats
+for _cls, _torch_cls in (
+    (BatchNorm1d, nn.BatchNorm1d),
+    (BatchNorm2d, nn.BatchNorm2d),
+    (BatchNorm3d, nn.BatchNorm3d),
+    (SyncBatchNorm, nn.SyncBatchNorm),
+):
+    _cls.__signature__ = _with_sync_stats(_torch_cls)  # type: ignore[attr-defined]
 
 
 # a whole model saved with torch.save loads with torch.load(weights_only=True) (its other classes allowed)

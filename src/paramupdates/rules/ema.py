@@ -41,18 +41,32 @@ averages the values just committed: the new weights and the running statistics
 of this step. Under gradient accumulation it runs once per optimizer update.
 
 The copy starts as ``copy.deepcopy(model)`` at declaration (``requires_grad``
-off, ``eval()`` mode); its tensors belong to no step's model. ``t`` is a buffer
-of the copy, ``pu_ema_updates`` (a 0-dim int64 on the copy's device), so
-whatever saves the copy (a Lightning checkpoint of a module that holds it,
-timm's ``CheckpointSaver``, ``torch.save(copy.state_dict())``) saves its
-warmup state, and loading the copy's ``state_dict`` restores it. The rule
-keeps a host mirror of ``t`` (no device sync per commit) and re-reads the
-buffer only after something else wrote it (its version counter moved, or
-``copy.to(...)`` replaced it). Its state (the copy's ``state_dict`` and
-``t``) is also in the ``state_dict()`` of every Stepper or attachment whose
-model owns the averaged tensors. To load the averaged weights into the model,
-``model.load_state_dict(pu.rules.ema.weights(copy))`` (the copy's
-``state_dict`` without ``pu_ema_updates``).
+off, ``eval()`` mode); its tensors belong to no step's model. Its parameters and
+buffers are the model's, name for name and nothing more, so, as with
+``AveragedModel(...).module``, ``model.load_state_dict(copy.state_dict())``
+loads strictly and ``zip(copy.buffers(), model.buffers())`` pairs them.
+
+Where ``t`` lives (the choice, issue 24). ``t`` must travel with whatever saves
+the copy (a Lightning checkpoint of a module that holds it, timm's
+``CheckpointSaver``, ``torch.save(copy.state_dict())``), or a resumed warmup
+restarts at 0; and it must not be a tensor of the copy, or the copy's
+``state_dict`` no longer loads into the model. So ``t`` is a Python int beside
+the copy, written by a ``state_dict`` post-hook of the copy's root module into
+the state_dict's metadata, ``state_dict._metadata[prefix]["pu_ema_updates"]``
+(``prefix`` the copy's, ``""`` for the copy itself, ``"ema"`` for
+``module.ema``), which ``torch.save`` / ``torch.load`` keep (``weights_only=True``
+too), and read back by a ``load_state_dict`` pre-hook (PyTorch hands each module
+its metadata there). What rebuilds the state_dict as a plain dict
+(``dict(sd)``, a comprehension, safetensors, ``torch.distributed.checkpoint``)
+drops the metadata and with it ``t``: a load without ``t`` leaves ``t`` as it
+is. The ``state_dict()`` of every Stepper or attachment whose model owns the
+averaged tensors also holds ``t`` (``"updates"``), as a plain entry. A
+state_dict saved before issue 24, when ``t`` was the copy's buffer
+``pu_ema_updates``, still loads (strictly): the pre-hook takes ``t`` from it.
+The alternatives: a buffer (the layout before: strict loading into the model
+fails, the buffers do not pair), a non-persistent buffer (``buffers()`` still
+misaligned, and not saved), ``get_extra_state`` (an ``_extra_state`` key the
+model refuses). ``pu.rules.ema.rule_of(copy).updates`` reads and sets ``t``.
 
 ``torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay),
 use_buffers=True)`` computes the same floating-point average bitwise, except:
@@ -96,7 +110,69 @@ if TYPE_CHECKING:
     from .base import CommitContext
 
 COUNTER = "pu_ema_updates"
-"""The name of the averaged copy's buffer that holds ``t`` (the number of EMA updates so far)."""
+"""The key of ``t`` (the number of EMA updates so far) in the copy's ``state_dict`` metadata
+(``state_dict._metadata[prefix][COUNTER]``); before issue 24, the name of a buffer of the copy."""
+
+
+class Counter:
+    """``t``, the number of EMA updates so far: kept beside the averaged copy, not as one of its tensors.
+
+    Two hooks on the copy's root module carry it through the copy's ``state_dict``: :class:`SaveCounter`
+    writes it into the state_dict's metadata for the copy (``state_dict._metadata[prefix]``, which
+    ``torch.save`` keeps and ``load_state_dict`` hands the module back as its ``local_metadata``), and
+    :class:`LoadCounter` reads it back. A plain Python int: no device tensor, no sync to read it.
+    """
+
+    def __init__(self, t: int = 0) -> None:
+        self.t = t
+
+
+class SaveCounter:
+    """The copy's ``state_dict`` post-hook: ``local_metadata[COUNTER] = t`` (no tensor is added)."""
+
+    def __init__(self, counter: Counter) -> None:
+        self.counter = counter
+
+    def __call__(self, module: nn.Module, state_dict: Any, prefix: str, local_metadata: dict[str, Any]) -> None:
+        local_metadata[COUNTER] = self.counter.t
+
+
+class LoadCounter:
+    """The copy's ``load_state_dict`` pre-hook: ``t`` from the metadata for the copy, if it has it.
+
+    A state_dict saved before issue 24 holds ``t`` as the tensor ``prefix + "pu_ema_updates"``: it is
+    taken (and removed, so that strict loading passes). A state_dict that carries no ``t`` (the
+    model's own, or one rebuilt as a plain dict, which drops the metadata) leaves ``t`` as it is.
+    """
+
+    def __init__(self, counter: Counter) -> None:
+        self.counter = counter
+
+    def __call__(
+        self,
+        module: nn.Module,
+        state_dict: Any,
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        old = state_dict.pop(prefix + COUNTER, None)  # the layout before issue 24: a 0-dim int64 buffer
+        t = local_metadata.get(COUNTER)
+        if t is None and old is not None:
+            t = int(old)
+        if t is not None:
+            self.counter.t = int(t)
+
+
+def counter_of(module: nn.Module) -> Counter | None:
+    """The :class:`Counter` that ``module``'s ``state_dict`` carries (``module`` an averaged copy), else None."""
+    for hook in module._state_dict_hooks.values():
+        if isinstance(hook, SaveCounter):
+            return hook.counter
+    return None
 
 
 @dataclass(frozen=True)
@@ -165,11 +241,11 @@ class EMA(Rule):
         self._mixed: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []  # dtypes differ: mul + add
         self._copy: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
         self._moved: list[tuple[list[torch.Tensor], list[torch.Tensor], str]] = []  # devices differ
-        # t: a buffer of the copy (saved with it), mirrored on the host
-        counter_device = next(iter(dst), torch.empty(0, device=device)).device
-        module.register_buffer(COUNTER, torch.zeros((), dtype=torch.int64, device=counter_device))
-        self._t = 0
-        self._seen: tuple[torch.Tensor, int] = (module._buffers[COUNTER], module._buffers[COUNTER]._version)
+        # t: beside the copy, carried by the copy's state_dict metadata (no tensor: the copy's
+        # parameters and buffers are the model's, name for name)
+        self._counter = Counter()
+        module.register_state_dict_post_hook(SaveCounter(self._counter))
+        module.register_load_state_dict_pre_hook(LoadCounter(self._counter))
         # the model's tensors as the copy was last made for (dtype, device): the copy follows the model
         self._where = [(t.dtype, t.device) for t in self._src]
 
@@ -241,32 +317,14 @@ class EMA(Rule):
         self.refresh(full=True)
 
     # --- the step counter t ------------------------------------------------
-    def _counter(self) -> torch.Tensor:
-        buf = self.module._buffers.get(COUNTER)
-        if buf is None:
-            raise UpdateError(
-                f"pu.ema (declared at {self.origin}): the averaged copy has no '{COUNTER}' buffer any more "
-                "(it holds the number of EMA updates). Do not delete it; declare pu.ema again."
-            )
-        return buf
-
     @property
     def updates(self) -> int:
-        """``t``: the number of EMA updates so far (the copy's ``pu_ema_updates`` buffer)."""
-        buf = self._counter()
-        seen, version = self._seen
-        if buf is not seen or buf._version != version:  # loaded, moved or written by someone else
-            self._t = int(buf)
-            self._seen = (buf, buf._version)
-        return self._t
+        """``t``: the number of EMA updates so far (saved in the copy's ``state_dict`` metadata)."""
+        return self._counter.t
 
     @updates.setter
     def updates(self, value: int) -> None:
-        buf = self._counter()
-        with torch.no_grad():
-            buf.fill_(int(value))
-        self._t = int(value)
-        self._seen = (buf, buf._version)
+        self._counter.t = int(value)
 
     # --- ownership -------------------------------------------------------
     def alive(self) -> bool:
@@ -367,18 +425,13 @@ class EMA(Rule):
                 for s, d in zip(self._src, self._dst):
                     if s.shape == d.shape and not sharding.is_sharded(s):
                         d.copy_(s.detach().to(d.device))
-                counter = self.module._buffers[COUNTER]
-                counter.fill_(0)
-                self._t, self._seen = 0, (counter, counter._version)
+                self._counter.t = 0
             for i in moved:
                 s, d = self._src[i], self._dst[i]
                 if s.shape != d.shape or sharding.is_sharded(d) or (d.dtype, d.device) != self._expected(*seen[i]):
                     continue  # (the copy was changed too: refused by _build, with the reason)
                 dtype, device = self._expected(s.dtype, s.device)
                 d.data = d.detach().to(device=device, dtype=dtype)
-            buf = self.module._buffers.get(COUNTER)
-            if buf is not None and self._device is None and buf.device != self._src[0].device:
-                buf.data = buf.detach().to(self._src[0].device)
 
     def _build(self) -> None:
         self._follow_model()
@@ -441,7 +494,7 @@ class EMA(Rule):
                         d.lerp_(s, w)
                     else:
                         d.mul_(1.0 - w).add_(s, alpha=w)
-                self.updates = self._t + 1
+                self._counter.t += 1
                 return
             for d, s in self._lerp:
                 torch._foreach_lerp_(d, s, w)
@@ -457,17 +510,15 @@ class EMA(Rule):
                     _mixed_lerp_(d, here, w)
                 else:
                     torch._foreach_copy_(d, here)
-        self.updates = self._t + 1
+        self._counter.t += 1
 
     # --- state -------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """``{"module": the copy's state_dict (with t), "updates": t, "decay": decay}`` (tensors by reference)."""
+        """``{"module": the copy's state_dict (t in its metadata), "updates": t, "decay": decay}`` (tensors by reference)."""
         return {"module": self.module.state_dict(), "updates": self.updates, "decay": self.decay}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        module_state = dict(state["module"])
-        module_state.setdefault(COUNTER, torch.tensor(int(state["updates"])))  # saved before t was a buffer
-        self.module.load_state_dict(module_state)
+        self.module.load_state_dict(state["module"])  # (a state saved before issue 24: t as a tensor, taken)
         self.updates = int(state["updates"])
 
     def save(self) -> Any:
@@ -484,11 +535,12 @@ def _mixed_lerp_(d: list[torch.Tensor], s: list[torch.Tensor], w: float) -> None
 
 
 def weights(averaged: nn.Module) -> dict[str, torch.Tensor]:
-    """The copy's ``state_dict`` without its ``pu_ema_updates`` counter: loads into the model.
+    """The copy's ``state_dict``: since issue 24 ``averaged.state_dict()`` itself loads into the model.
 
-    ``model.load_state_dict(pu.rules.ema.weights(averaged))`` puts the averaged
-    weights into the model (strict loading; a copy kept in another dtype is cast
-    by ``load_state_dict``).
+    ``model.load_state_dict(averaged.state_dict())`` puts the averaged weights
+    into the model (strict loading; a copy kept in another dtype is cast by
+    ``load_state_dict``). Kept for code written when the copy had a counter
+    buffer; a ``pu_ema_updates`` key (a copy restored from such a state) is left out.
     """
     state = averaged.state_dict()
     state.pop(COUNTER, None)
@@ -514,8 +566,9 @@ def ema(
     ``True`` for 10) ``min(decay, (1 + t) / (W + t))``; with ``warmup="timm"``
     (or a :class:`TimmWarmup`) timm's ``max(min_decay, min(decay,
     1 - (1 + t / gamma) ** -power))`` after a first copy; with a callable,
-    ``warmup(t)``; ``t`` counts the EMA's updates from 0 and is the copy's
-    buffer ``pu_ema_updates``.
+    ``warmup(t)``; ``t`` counts the EMA's updates from 0 and is saved in the
+    metadata of the copy's ``state_dict`` (its tensors are the model's, name for
+    name: ``model.load_state_dict(copy.state_dict())`` loads strictly).
 
     ``dtype``: keep the copy's floating tensors in this dtype (a float32
     average of a bfloat16 model); ``device``: keep the copy there (a CPU
@@ -526,8 +579,7 @@ def ema(
     ``requires_grad``) to evaluate with. Tensors are bound at declaration:
     replacing a parameter or buffer object of ``model`` later (rather than
     writing it in place) is not followed. ``pu.rules.ema.rule_of(copy)`` is
-    the rule (``.updates``, ``.remove()``); ``pu.rules.ema.weights(copy)`` the
-    copy's weights without the counter, to load into ``model``. ``foreach=False`` runs the
+    the rule (``.updates``, ``.remove()``). ``foreach=False`` runs the
     per-tensor reference path (``a.lerp_(p, 1 - d_t)`` pair by pair; bitwise the same result).
     """
     origin = call_site(2)
@@ -548,9 +600,9 @@ def ema(
             raise ValueError(f"pu.ema at {origin}: warmup must be None, True, a positive number or a callable")
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"pu.ema at {origin}: dtype must be a floating torch.dtype (the copy's floats), got {dtype}")
-    if COUNTER in dict(model.named_buffers(recurse=False)):
+    if counter_of(model) is not None or COUNTER in dict(model.named_buffers(recurse=False)):
         raise ValueError(
-            f"pu.ema at {origin}: the model already has a '{COUNTER}' buffer (it is an averaged copy); "
+            f"pu.ema at {origin}: the model is an averaged copy (it carries an EMA counter); "
             "declare the EMA on the trained model"
         )
     dev = torch.device(device) if device is not None else None

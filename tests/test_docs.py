@@ -1,0 +1,93 @@
+"""The docs' code and claims, run: the README's first snippet, the converter recipe of
+docs/frameworks.md, and the README's ``Adam + pu.weight_decay == AdamW`` with the ``exclude`` it needs."""
+
+import copy
+import pathlib
+import re
+
+import torch
+from torch import nn
+
+import paramupdates as pu
+
+from conftest import assert_same, snapshot
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _python_blocks(doc: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", (ROOT / doc).read_text(), flags=re.S)
+
+
+def test_the_readmes_first_snippet_runs():
+    ns: dict = {}
+    exec(compile(_python_blocks("README.md")[0], "README.md", "exec"), ns)  # noqa: S102 - our own README
+    assert list(dict.fromkeys(ns["s"].schedule().phases())) == [
+        "before_grad",
+        "grad",
+        "after_grad",
+        "auxiliary",
+        "after_step",
+    ]
+    assert int(ns["model"][1].num_batches_tracked) == 1  # once under pu.checkpoint, not twice
+
+
+class NormAct(nn.BatchNorm2d):
+    """A batch norm with a forward of its own (as timm's BatchNormAct2d)."""
+
+    def __init__(self, c):
+        super().__init__(c)
+        self.act = nn.ReLU()
+
+    def forward(self, x):
+        return self.act(super().forward(x))
+
+
+def test_the_converter_recipe_of_frameworks_md_registers_and_converts():
+    """Before issue 24 the text said to register with pu.nn.convert_module(module, SafeClass), which
+    registers nothing: the recipe is pu.nn.register_converter(cls, fn)."""
+    (block,) = [b for b in _python_blocks("docs/frameworks.md") if "register_converter" in b]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 3, 3), NormAct(3))
+    ref = copy.deepcopy(model)
+    ns = {"pu": pu, "NormAct": NormAct, "model": model}
+    exec(compile(block, "docs/frameworks.md", "exec"), ns)  # noqa: S102 - our own docs
+    converted = ns["model"][1]
+    assert type(converted) is ns["SafeNormAct"] and isinstance(converted, pu.nn.BatchNorm2d)
+    x = torch.randn(4, 1, 6, 6)
+    with pu.step(ns["model"]):
+        y = ns["model"](x)
+    assert torch.equal(y, ref(x))  # the activation kept, the statistics updated once
+    assert_same(snapshot(ref), snapshot(ns["model"]))
+
+
+def _train(opt_of, declare=None):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 1))
+    opt = opt_of(m)
+    if declare is not None:
+        declare(m)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        with pu.step(m, opt):
+            m(torch.randn(8, 4, generator=g)).square().mean().backward()
+        opt.zero_grad()
+    pu.testing.reset()
+    return snapshot(m)
+
+
+def test_adam_plus_weight_decay_is_adamw_with_exclude_none_and_the_no_decay_recipe_by_default():
+    """The README's claim, as stated there: bitwise AdamW with exclude=None; the default exclude (1-D
+    tensors skipped, which AdamW decays) is AdamW with biases and norm scales in a weight_decay=0 group."""
+    adamw = _train(lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1))
+    ours = _train(lambda m: torch.optim.Adam(m.parameters(), lr=0.01), lambda m: pu.weight_decay(m, 0.1, exclude=None))
+    assert_same(adamw, ours)
+
+    def no_decay_groups(m):
+        decay = [p for p in m.parameters() if p.ndim > 1]
+        rest = [p for p in m.parameters() if p.ndim <= 1]
+        return torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=0.01, weight_decay=0.1)
+
+    default = _train(lambda m: torch.optim.Adam(m.parameters(), lr=0.01), lambda m: pu.weight_decay(m, 0.1))
+    assert_same(_train(no_decay_groups), default)
+    assert any(not torch.equal(a[1], b[1]) for a, b in zip(adamw, default) if torch.is_tensor(a[1]))

@@ -16,6 +16,10 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import paramupdates as pu
+from misuse_helpers import BNNet
+from misuse_helpers import line_of as _line_of
+
+from conftest import assert_same, snapshot
 
 
 class Boom(Exception):
@@ -82,3 +86,136 @@ def test_the_optimizers_own_exception_ends_the_step():
     model(torch.randn(4, 3)).sum().backward()
     opt.step()
     assert int(model[1].num_batches_tracked) == 1
+
+
+def test_forgotten_attachments_are_collected_with_their_models():
+    import gc
+    import weakref
+
+    from paramupdates import routing
+
+    refs = []
+    for trial in range(200):
+        m = BNNet()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        pu.attach(m, opt, copy_for_rollback=trial % 2 == 0)  # never detached (a notebook, a loop over trials)
+        m(torch.randn(8, 4)).square().sum().backward()
+        opt.step()
+        m(torch.randn(8, 4))  # and one with updates left pending
+        refs.append(weakref.ref(m))
+        del m, opt
+    gc.collect()
+    alive = sum(r() is not None for r in refs)
+    assert alive == 0 and not routing.attachments()
+
+
+def test_a_forgotten_attachment_does_not_block_another_model():
+    old = BNNet()
+    old_opt = torch.optim.SGD(old.parameters(), lr=0.1)
+    pu.attach(old, old_opt)
+    old(torch.randn(8, 4))  # pending updates, never committed: the attachment is forgotten
+    new = BNNet()
+    pu.weight_decay(new, 0.1)  # another model: declared
+    pu.constrain(new.lin.weight, pu.max_norm(1.0))
+    pu.ema(new, 0.9)
+    with pytest.raises(pu.UpdateError) as ei:
+        pu.ema(old, 0.9)  # MARK: the same model
+    msg = str(ei.value)
+    assert f"pu.ema at tests/test_attach_lifecycle.py:{_line_of('MARK: the same model')}" in msg
+    assert "pu.attach(BNNet) at tests/test_attach_lifecycle.py:" in msg and "'calls'" in msg
+    assert "discard()" in msg and "flush()" in msg
+
+
+def test_reattaching_names_the_first_attachment():
+    m = BNNet()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    pu.attach(m, opt)  # MARK: first
+    with pytest.raises(
+        pu.UpdateError,
+        match=rf"already attached \(pu.attach\(BNNet\) at tests/test_attach_lifecycle.py:{_line_of('MARK: first')}\).*detach\(\)",
+    ):
+        pu.attach(m, opt)
+
+
+@pytest.mark.parametrize("first", ["outer", "inner"])
+def test_attaching_a_module_inside_an_attached_one_is_refused(first):
+    """Nested attachments would give a tensor of the inner module two commits (ambiguity is an
+    error, rule 5's spirit): refused at attach, naming the module and the other attachment."""
+    m = nn.Sequential(nn.Linear(3, 4), nn.Sequential(nn.Linear(4, 4), pu.nn.BatchNorm1d(4)))
+    o1, o2 = torch.optim.SGD(m[0].parameters(), lr=0.1), torch.optim.SGD(m[1].parameters(), lr=0.1)
+    a, b = (m, m[1]) if first == "outer" else (m[1], m)
+    pu.attach(a, o1)  # MARK: nested first
+    with pytest.raises(pu.UpdateError) as ei:
+        pu.attach(b, o2)
+    msg = str(ei.value)
+    assert "the Sequential at '1' of the Sequential would be attached twice" in msg
+    assert f"pu.attach(Sequential) at tests/test_attach_lifecycle.py:{_line_of('MARK: nested first')}" in msg
+    assert "pu.attach(model.encoder, opt_enc)" in msg
+    assert len(o2._optimizer_step_pre_hooks) == 0  # nothing of the refused attachment stays
+
+
+def test_two_optimizers_over_disjoint_submodules_equal_plain_pytorch():
+    """What the refusal suggests: one attachment per optimizer, on the submodule it steps. With
+    pu.weight_decay over the whole model and Adam, bitwise two AdamW and torch.nn.BatchNorm1d."""
+
+    def make(bn):
+        torch.manual_seed(0)
+        return nn.ModuleDict(
+            {"enc": nn.Sequential(nn.Linear(3, 4), bn(4)), "dec": nn.Sequential(nn.Linear(4, 2), bn(2))}
+        )
+
+    ref, m = make(nn.BatchNorm1d), make(pu.nn.BatchNorm1d)
+    ref_opts = [
+        torch.optim.AdamW(ref[k].parameters(), lr=lr, weight_decay=0.1) for k, lr in (("enc", 0.1), ("dec", 0.01))
+    ]
+    opts = [torch.optim.Adam(m[k].parameters(), lr=lr) for k, lr in (("enc", 0.1), ("dec", 0.01))]
+    atts = [pu.attach(m["enc"], opts[0]), pu.attach(m["dec"], opts[1])]
+    pu.weight_decay(m, 0.1, exclude=None)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        xs = [torch.randn(8, 3, generator=g) for _ in range(2)]  # two micro-batches
+        for net, os in ((ref, ref_opts), (m, opts)):
+            for o in os:
+                o.zero_grad()
+            for x in xs:
+                net["dec"](net["enc"](x)).square().mean().backward()
+            for o in os:
+                o.step()
+    for a in atts:
+        a.detach()
+    assert_same(snapshot(ref), snapshot(m))
+
+
+@pytest.mark.parametrize("opener", ["pu.step", "recompute"])
+def test_a_step_over_an_attached_model_with_pending_updates_is_refused(opener):
+    """pu.step (or pu.recompute_batchnorm_stats, a step of its own) on a model whose attachment has
+    updates pending since its last optimizer.step(): its reads would see them, its writes go into
+    them (not into the buffers), and they would commit later on their own. Refused before anything
+    is recorded, naming the attachment and what is pending; after flush() it runs, bitwise
+    torch.optim.swa_utils.update_bn."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 4), pu.nn.BatchNorm1d(4))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    att = pu.attach(m, opt)  # MARK: pending attach
+    x = torch.randn(8, 3)
+    m(x).sum().backward()  # pending: the batch norm's statistics
+    stored = [t.clone() for t in m.state_dict().values()]
+    loader = [torch.randn(8, 3) for _ in range(3)]
+    with pytest.raises(pu.UpdateError) as ei:
+        if opener == "pu.step":
+            with pu.step(m, opt):
+                m(x).sum().backward()
+        else:
+            pu.recompute_batchnorm_stats(m, loader)
+    msg = str(ei.value)
+    assert f"pu.attach(Sequential) at tests/test_attach_lifecycle.py:{_line_of('MARK: pending attach')}" in msg
+    assert "1.running_mean" in msg and "flush()" in msg and "discard()" in msg
+    assert all(torch.equal(a, b) for a, b in zip(stored, m.state_dict().values()))  # nothing written
+    assert att.journal is not None and att.journal.pending_names()  # the attachment's updates still pending
+    att.flush()
+    if opener == "recompute":
+        pu.recompute_batchnorm_stats(m, loader)
+        plain = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+        plain.load_state_dict(m.state_dict())
+        torch.optim.swa_utils.update_bn(loader, plain)
+        assert_same(snapshot(plain), snapshot(m))

@@ -43,9 +43,9 @@ def k_non_neg(w):
     return w * (w >= 0.0).astype(w.dtype)
 
 
-def _foreach(constraint, ts):
+def _foreach(constraint, ts, norms="auto"):
     ts = [t.clone() for t in ts]
-    constraint.apply_(ts, constraint.plan(ts))
+    constraint.apply_(ts, constraint.plan(ts, norms))
     return ts
 
 
@@ -70,7 +70,7 @@ def test_linear_weight_matches_keras_dense_kernel(c, keras, strategy):
     w = nn.Linear(6, 4).weight.detach() * 3  # torch (out, in); norms both above and below the bounds
     k = w.double().numpy().T  # Keras kernel (in, out)
     _close(c(w).T, keras(k))  # reference path
-    _close(_foreach(c, [w])[0].T, keras(k))  # foreach path
+    _close(_foreach(c, [w], strategy)[0].T, keras(k))  # foreach path
 
 
 def test_conv_weight_matches_keras_conv_kernel_axis_012(strategy):
@@ -83,14 +83,14 @@ def test_conv_weight_matches_keras_conv_kernel_axis_012(strategy):
     ]:
         expect = keras(k).transpose(3, 2, 0, 1)
         _close(c(w), expect)
-        _close(_foreach(c, [w])[0], expect)
+        _close(_foreach(c, [w], strategy)[0], expect)
 
 
 def test_bias_whole_vector_norm_with_dim_none_matches_keras_axis0(strategy):
     b = torch.randn(9) * 2
-    _close(_foreach(pu.max_norm(1.0, dim=None), [b])[0], k_max_norm(b.double().numpy(), 1.0, axis=0))
+    _close(_foreach(pu.max_norm(1.0, dim=None), [b], strategy)[0], k_max_norm(b.double().numpy(), 1.0, axis=0))
     # dim=0 on a 1-D tensor: one "norm" per element, |b_i|
-    _close(_foreach(pu.max_norm(1.0), [b])[0], k_max_norm(b.double().numpy()[:, None], 1.0, axis=1).ravel())
+    _close(_foreach(pu.max_norm(1.0), [b], strategy)[0], k_max_norm(b.double().numpy()[:, None], 1.0, axis=1).ravel())
 
 
 def test_non_neg_equals_keras_in_value():
@@ -108,24 +108,20 @@ def test_clamp():
     assert torch.equal(_foreach(pu.clamp(-1, 1), [i])[0], i.clamp(-1, 1))
 
 
-@pytest.fixture(params=["per_tensor_norms", "concatenated_norms", "segment_reduce"])
-def strategy(request, monkeypatch):
-    """Every row-norm strategy, checked on CPU: per tensor and concatenated small tensors (CPU),
-    one segment_reduce (accelerators)."""
-    monkeypatch.setattr(pu.rules.constraints, "FORCE_SEGMENTS", request.param == "segment_reduce")
-    monkeypatch.setattr(pu.rules.constraints, "CAT_NUMEL", 0 if request.param == "per_tensor_norms" else 1 << 20)
+@pytest.fixture(params=["each", "concat", "segments"])
+def strategy(request):
+    """Every row-norm strategy (``pu.constrain(..., norms=)``), checked on CPU: per tensor and
+    concatenated small tensors (CPU), one segment_reduce (accelerators)."""
     return request.param
 
 
-def test_cpu_concatenated_row_norms_are_bitwise_the_per_tensor_ones(monkeypatch):
+def test_cpu_concatenated_row_norms_are_bitwise_the_per_tensor_ones():
     g = torch.Generator().manual_seed(0)
     shapes = [(8, 3), (5, 3), (4, 3, 2, 2), (6, 3, 2, 2), (2, 9), (7, 9), (3, 5, 4), (6, 5, 4), (300, 20)]
     ts = [torch.randn(s, generator=g) * 3 for s in shapes]
     for c in [pu.max_norm(1.0), pu.max_norm(1.0, dim=-1), pu.unit_norm(dim=1), pu.min_max_norm(0.5, 2.0, 0.3)]:
-        monkeypatch.setattr(pu.rules.constraints, "CAT_NUMEL", 0)
-        each = _foreach(c, ts)
-        monkeypatch.setattr(pu.rules.constraints, "CAT_NUMEL", 4096)
-        for a, b in zip(_foreach(c, ts), each):
+        each = _foreach(c, ts, "each")
+        for a, b in zip(_foreach(c, ts, "concat"), each):
             assert torch.equal(a, b), c
 
 
@@ -151,7 +147,7 @@ def test_foreach_path_equals_reference_over_mixed_shapes_and_dtypes(strategy):
         pu.non_neg(),
         pu.clamp(-0.5, 0.5),
     ]:
-        for ours, t in zip(_foreach(c, ts), ts):
+        for ours, t in zip(_foreach(c, ts, strategy), ts):
             torch.testing.assert_close(ours, c(t), rtol=1e-6, atol=1e-7)
 
 

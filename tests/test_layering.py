@@ -1,9 +1,10 @@
 """The core's layering (``docs/design.md``, "Architecture"): no import cycle among the modules of
-``src/paramupdates``, counting imports inside functions, and nothing outside ``integrations/``
-imports from ``integrations/`` except the package's ``__init__.py``.
+``src/paramupdates``, counting imports inside functions and under ``if TYPE_CHECKING:`` (a type a
+module needs from a higher one is a Protocol in ``records.py``), and nothing outside
+``integrations/`` imports from ``integrations/`` except the package's ``__init__.py`` and the
+frameworks' public import paths.
 
-Imports are read from the AST of every module; those under ``if TYPE_CHECKING:`` never execute
-and are not counted. Importing ``a.b.c`` executes the ``__init__`` of ``a.b`` too, so that counts
+Imports are read from the AST of every module. Importing ``a.b.c`` executes the ``__init__`` of ``a.b`` too, so that counts
 as an import of ``a.b``, except from inside ``a.b`` itself (a package is initialised before its
 modules). The top package ``paramupdates`` is the root that imports everything: not a target.
 """
@@ -27,13 +28,6 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    t = node.test
-    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
-        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING"
-    )
-
-
 def _imports(path: Path, modules: set[str]) -> set[str]:
     """The paramupdates modules that executing ``path`` may import (function-level included)."""
     name = _module_name(path)
@@ -53,10 +47,6 @@ def _imports(path: Path, modules: set[str]) -> set[str]:
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _is_type_checking(child):
-                for sub in child.orelse:
-                    visit(sub)
-                continue
             if isinstance(child, ast.Import):
                 for a in child.names:
                     if a.name.startswith(TOP + "."):
@@ -120,7 +110,7 @@ def test_the_graph_is_read():
     assert "paramupdates.journal" in g["paramupdates.updates"]
     assert "paramupdates.hooks" in g["paramupdates.integrations.checkpoint"]
     assert "paramupdates.integrations" in g[TOP]
-    assert "paramupdates.commit" not in g["paramupdates.rules.base"]  # a TYPE_CHECKING import only
+    assert "paramupdates.journal" in g["paramupdates.commit.driver"]  # a TYPE_CHECKING import counts too
 
 
 def test_no_import_cycle():
@@ -142,3 +132,80 @@ def test_only_the_package_init_imports_integrations():
         if not name.startswith(f"{TOP}.integrations") and name != TOP and name not in PUBLIC_PATHS
     }
     assert {k: v for k, v in offenders.items() if v} == {}
+
+
+STATE_HOMES = {f"{TOP}.state", f"{TOP}.hooks", f"{TOP}.nn.convert"}
+"""Where module-level mutable state may live: the state module, the hook registries, the converter
+registry. Everything else keeps its state in objects (a model's index, a rule, a registered hook)."""
+
+_MUTABLE_CALLS = {
+    "dict",
+    "list",
+    "set",
+    "bytearray",
+    "OrderedDict",
+    "defaultdict",
+    "deque",
+    "Counter",
+    "WeakKeyDictionary",
+    "WeakValueDictionary",
+    "WeakSet",
+    "WeakIdKeyDictionary",
+    "local",
+    "count",
+}
+_MUTABLE_NODES = (ast.Dict, ast.List, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp)
+
+
+def _module_state(tree: ast.Module) -> list[str]:
+    """``name (line)`` of each module-level binding of a mutable container, and each ``global``."""
+    found = []
+
+    def is_mutable(value: ast.AST | None) -> bool:
+        if isinstance(value, _MUTABLE_NODES):
+            return True
+        if isinstance(value, ast.Call):
+            f = value.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+            return name in _MUTABLE_CALLS
+        return False
+
+    def top(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.Assign | ast.AnnAssign):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names = [ast.unparse(t) for t in targets]
+                if is_mutable(node.value) and names != ["__all__"]:
+                    found.append(f"{', '.join(names)} (line {node.lineno})")
+            elif isinstance(node, ast.If | ast.Try | ast.With):
+                for block in ("body", "orelse", "finalbody"):
+                    top(getattr(node, block, []))
+                for handler in getattr(node, "handlers", []):
+                    top(handler.body)
+
+    top(tree.body)
+    found += [f"global {', '.join(n.names)} (line {n.lineno})" for n in ast.walk(tree) if isinstance(n, ast.Global)]
+    return found
+
+
+def test_module_level_state_lives_in_the_state_module_and_the_registries():
+    offenders = {}
+    for path in SRC.rglob("*.py"):
+        name = _module_name(path)
+        if name not in STATE_HOMES:
+            found = _module_state(ast.parse(path.read_text()))
+            if found:
+                offenders[name] = found
+    assert offenders == {}
+
+
+def test_the_state_finder_finds_state():
+    src = "import weakref\nX = {}\nY: list = []\nZ = weakref.WeakSet()\n__all__ = ['a']\nif True:\n    W = set()\n"
+    src += "def f():\n    global X\n"
+    assert _module_state(ast.parse(src)) == [
+        "X (line 2)",
+        "Y (line 3)",
+        "Z (line 4)",
+        "W (line 7)",
+        "global X (line 9)",
+    ]

@@ -8,6 +8,8 @@ import torch
 from torch import nn
 
 import paramupdates as pu
+from misuse_helpers import BNNet
+from misuse_helpers import rules_model as _rules_model
 
 from conftest import assert_same, snapshot
 
@@ -61,3 +63,90 @@ def test_empty_pending_values_commit(on_nonfinite):
     with torch.no_grad():
         ref.gram += x.T @ x
     assert_same(snapshot(ref.gram, ref.queue), snapshot(model.gram, model.queue))
+
+
+def _nan_grad_step(m, how, opt, att=None, **options):
+    """One training step whose lin.weight gradient has a NaN."""
+    x = torch.randn(8, 4)
+
+    def closure():
+        opt.zero_grad()
+        loss = m(x).square().sum()
+        loss.backward()
+        m.lin.weight.grad[0, 0] = float("nan")
+        return loss
+
+    if how == "step":
+        with pu.step(m, opt, **options) as s:
+            closure()
+        return s
+    if how == "closure":
+        s = pu.Stepper(m, opt, closure=closure, **options)
+        with s:
+            pass
+        return s
+    closure()
+    opt.step()
+    return att
+
+
+@pytest.mark.parametrize("how", ["step", "closure", "attach"])
+def test_nonfinite_gradient_skips_the_whole_step(how):
+    m, opt, avg = _rules_model()
+    att = pu.attach(m, opt, on_nonfinite="skip") if how == "attach" else None
+    before = snapshot(m, opt, avg)
+    owner = _nan_grad_step(m, how, opt, att, **({} if how == "attach" else {"on_nonfinite": "skip"}))
+    assert_same(before, snapshot(m, opt, avg))  # no optimizer step, no statistics, no rule, no EMA
+    assert owner.skipped_steps == 1 and owner.steps == 0 and owner.skipped
+    assert torch.isnan(m.lin.weight.grad[0, 0])  # the gradients are put back, as they were
+
+
+@pytest.mark.parametrize("how", ["step", "closure", "attach"])
+def test_nonfinite_gradient_raises_naming_the_parameter(how):
+    m, opt, avg = _rules_model()
+    att = pu.attach(m, opt) if how == "attach" else None
+    before = snapshot(m, opt, avg)
+    with pytest.raises(pu.UpdateError) as ei:
+        _nan_grad_step(m, how, opt, att)
+    msg = str(ei.value)
+    assert "non-finite gradient of 'lin.weight'" in msg and "'lin.bias'" not in msg
+    assert "on_nonfinite='skip'" in msg and "Nothing was written" in msg
+    assert ("pu.attach(BNNet)" if how == "attach" else "pu.step at tests/test_nonfinite.py:") in msg
+    assert_same(before, snapshot(m, opt, avg))
+
+
+def test_nonfinite_sparse_gradient_is_checked_too():
+    class Emb(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 3, sparse=True)
+            self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    m = Emb()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    before = snapshot(m)
+    with pytest.raises(pu.UpdateError, match="non-finite gradient of 'emb.weight'"):
+        with pu.step(m, opt):
+            pu.assign_add(m.calls, 1)
+            (m.emb(torch.tensor([1, 2])).sum() * float("nan")).backward()
+    assert_same(before, snapshot(m))
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_gradients_that_require_grad_are_checked_without_a_write():
+    """create_graph=True: the gradients are in a graph that may be differentiated again (an optimizer
+    computing Hessian-vector products): the check must not write them (no version bump)."""
+    m = BNNet()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with pu.step(m, opt):
+        m(torch.randn(8, 4)).square().sum().backward(create_graph=True)
+        versions = [p.grad._version for p in m.parameters()]
+        grads = [p.grad for p in m.parameters()]
+    assert [g._version for g in grads] == versions
+    m.zero_grad(set_to_none=True)  # (breaks the parameter-gradient cycle create_graph makes)
+
+
+def test_nonfinite_gradient_with_check_finite_false_reaches_the_optimizer():
+    m, opt, _ = _rules_model()
+    _nan_grad_step(m, "step", opt, check_finite=False)
+    assert torch.isnan(m.lin.weight).any()  # what plain PyTorch does

@@ -557,7 +557,7 @@ def test_gcs_replay_needs_subclass_dispatch_disabled(bridge):
     import returnn.torch.util.gradient_checkpoint as gcs
 
     patched = gcs._Graph.maybe_recompute
-    gcs._Graph.maybe_recompute = pur._ORIG["maybe_recompute"]
+    gcs._Graph.maybe_recompute = pur._STATE.orig["maybe_recompute"]
     try:
         net = _ReadAssignNet("gcs")
         x_raw = torch.ones(3, requires_grad=True)

@@ -1,11 +1,15 @@
 """torch.load with its default weights_only=True loads what torch.save wrote for pu parameters and models."""
 
+import contextlib
 import io
 
+import pytest
 import torch
 from torch import nn
 
 import paramupdates as pu
+from misuse_helpers import Mixed
+from misuse_helpers import committed as _committed
 
 from conftest import assert_same, snapshot
 
@@ -65,3 +69,68 @@ def test_stepper_state_with_an_ema_round_trips_with_weights_only():
     fresh = pu.Stepper(m, opt)
     fresh.load_state_dict(state)
     assert pu.rules.ema.rule_of(averaged).updates == 1 and fresh.steps == 1
+
+
+@pytest.mark.parametrize("use", ["step", "attach"])
+def test_state_dict_and_deepcopy_inside_a_step_hold_committed_values(use):
+    import copy
+
+    m = Mixed()
+    opt = torch.optim.SGD(m.net.parameters(), lr=0.1)
+    att = pu.attach(m, opt) if use == "attach" else None
+    with pu.step(m, opt) if use == "step" else contextlib.nullcontext():
+        m(torch.randn(8, 4)).square().sum().backward()
+    committed = _committed(m)
+    stored = {k: v for k, v in m.state_dict(keep_vars=True).items()}
+    with pu.step(m, opt) if use == "step" else contextlib.nullcontext():
+        m(torch.randn(8, 4)).square().sum().backward()
+        # reads see the pending values ...
+        assert int(m.net.calls) == 2 and torch.equal(pu.read(m.frozen), torch.full((4,), 2.0))
+        assert torch.equal(m.scale, torch.full((4,), 0.25))
+        # ... serialization never does
+        assert_same(committed, list(m.state_dict().items()))
+        kept = m.state_dict(keep_vars=True)
+        assert all(kept[k] is stored[k] for k in stored)  # the stored tensors themselves
+        sub = [(k, v) for k, v in committed if k.startswith("net.")]
+        assert_same(sub, list(m.net.state_dict(prefix="net.").items()))  # a submodule's too
+        twin = copy.deepcopy(m)
+        assert_same(committed, list(twin.state_dict().items()))
+        assert type(twin.scale) is pu.Parameter
+        # a pending value read, then copied, is the pending value
+        assert int(copy.deepcopy(m.net.calls)) == 2
+        mean = m.net.bn.running_mean
+        assert torch.equal(copy.deepcopy(mean), mean)
+    if att is not None:
+        opt.step()
+    assert int(m.net.calls) == 2
+
+
+def test_a_checkpoint_saved_inside_a_step_resumes_without_counting_the_batch_twice(tmp_path):
+    xs = [torch.randn(8, 4) for _ in range(3)]
+    torch.manual_seed(3)
+    m = Mixed()
+    init = copy_state(m)
+    opt = torch.optim.SGD(m.net.parameters(), lr=0.1)
+    for i, x in enumerate(xs):
+        with pu.step(m, opt):
+            m(x).square().sum().backward()
+            if i == 1:
+                torch.save({"model": m.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
+        opt.zero_grad()
+    # resume: the checkpoint holds the state before batch 1; batches 1 and 2 run again
+    r = Mixed()
+    r.load_state_dict(init)
+    ropt = torch.optim.SGD(r.net.parameters(), lr=0.1)
+    ckpt = torch.load(tmp_path / "ckpt.pt")
+    r.load_state_dict(ckpt["model"])
+    ropt.load_state_dict(ckpt["opt"])
+    for x in xs[1:]:
+        with pu.step(r, ropt):
+            r(x).square().sum().backward()
+        ropt.zero_grad()
+    assert_same(snapshot(m), snapshot(r))
+    assert int(r.net.calls) == 3
+
+
+def copy_state(m):
+    return {k: v.clone() for k, v in m.state_dict().items()}

@@ -44,8 +44,9 @@ import copy
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -56,11 +57,13 @@ from torch import nn
 import paramupdates as pu
 
 VARIANTS = ("reference", "pu", "torch")
-LABELS = {
-    "reference": "pu BatchNorm2d, no checkpointing (the reference)",
-    "pu": "pu BatchNorm2d under pu.checkpoint",
-    "torch": "torch BatchNorm2d under torch.utils.checkpoint",
-}
+LABELS: Mapping[str, str] = MappingProxyType(
+    {
+        "reference": "pu BatchNorm2d, no checkpointing (the reference)",
+        "pu": "pu BatchNorm2d under pu.checkpoint",
+        "torch": "torch BatchNorm2d under torch.utils.checkpoint",
+    }
+)
 
 
 def _need(module: str) -> Any:
@@ -127,11 +130,9 @@ def _torch_checkpoint(fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tens
     return torch_checkpoint.checkpoint(fn, *args, use_reentrant=False)
 
 
-SEGMENTS: dict[str, Callable[..., torch.Tensor] | None] = {
-    "reference": None,
-    "pu": pu.checkpoint,
-    "torch": _torch_checkpoint,
-}
+SEGMENTS: Mapping[str, Callable[..., torch.Tensor] | None] = MappingProxyType(
+    {"reference": None, "pu": pu.checkpoint, "torch": _torch_checkpoint}
+)
 
 
 @dataclass

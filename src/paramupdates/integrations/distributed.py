@@ -64,6 +64,7 @@ process), or in a group of one, sync is the identity and costs nothing.
 from __future__ import annotations
 
 import datetime
+import functools
 import time
 import zlib
 from collections.abc import Sequence
@@ -195,7 +196,10 @@ def check_rules(commit: Commit, synced: Sequence[Entry]) -> None:
                 )
 
 
-_LAYOUT_CRC: dict[tuple, int] = {}  # layout -> CRC32 of its text (layouts repeat step after step)
+@functools.lru_cache(maxsize=64)  # (layouts repeat step after step)
+def _layout_crc(key: tuple) -> int:
+    """CRC32 of a layout's text."""
+    return zlib.crc32(";".join(f"{n}:{shape}:{dt}:{dev}:{how}" for n, how, dt, dev, shape in key).encode())
 
 
 def layout_fingerprint(plan: Sequence[tuple[Any, Sequence[Entry]]], seq: int | None, world: int) -> list[int]:
@@ -209,13 +213,7 @@ def layout_fingerprint(plan: Sequence[tuple[Any, Sequence[Entry]]], seq: int | N
     key = tuple(
         (e.name, e.sync, e.value.dtype, e.value.device.type, tuple(e.value.shape)) for _k, es in plan for e in es
     )
-    crc = _LAYOUT_CRC.get(key)
-    if crc is None:
-        crc = zlib.crc32(";".join(f"{n}:{shape}:{dt}:{dev}:{how}" for n, how, dt, dev, shape in key).encode())
-        if len(_LAYOUT_CRC) >= 64:
-            _LAYOUT_CRC.clear()
-        _LAYOUT_CRC[key] = crc
-    crc = zlib.crc32(f"#{seq}".encode(), crc)
+    crc = zlib.crc32(f"#{seq}".encode(), _layout_crc(key))
     b = max(1, (24 - world.bit_length()) // 2)
     return [(crc >> (b * i)) % (1 << b) for i in range(_CHUNKS)]
 

@@ -81,7 +81,8 @@ import threading
 import types
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from types import MappingProxyType
 from typing import Any, Unpack
 
 import torch
@@ -136,8 +137,24 @@ _RFModuleAsPTModule = _rt_bridge.RFModuleAsPTModule
 # ---------------------------------------------------------------------------
 # phases and sync: rf has neither notion (paramupdates.returnn.phase / .sync push here)
 # ---------------------------------------------------------------------------
-_phase_stack: list[str | None] = [None]
-_sync_stack: list[str | None] = [None]
+
+
+class _BridgeState:
+    """What the bridge keeps while the process runs (one object: ``_STATE``)."""
+
+    def __init__(self) -> None:
+        self.phase_stack: list[str | None] = [None]  # pur.phase(...) blocks, innermost last
+        self.sync_stack: list[str | None] = [None]  # pur.sync(...) blocks, innermost last
+        self.orig: dict[str, Callable[..., Any]] = {}  # RETURNN's functions, as found, by patch name
+        self.saved: dict[str, Any] = {}  # the class attributes as found (descriptors), restored by uninstall()
+        self.hook: list[Any] = []  # the global optimizer step pre-hook, while enabled
+        self.checked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # optimizers already checked
+        self.eager_in_training: list[str] = []  # the first rf update applied at once in a train step
+        # model / rf model / optimizer -> the attachment made for them (weakly both ways)
+        self.attached: weakref.WeakKeyDictionary[Any, weakref.ref[Attachment]] = weakref.WeakKeyDictionary()
+
+
+_STATE = _BridgeState()
 _SYNC_KINDS = (None, "mean", "sum")
 
 
@@ -154,7 +171,7 @@ def _check_sync(how: str | None, fn: str) -> None:
 # ---------------------------------------------------------------------------
 # routing rf updates to pu
 # ---------------------------------------------------------------------------
-_PU_FNS: dict[str, Callable[..., None]] = {"assign": _pu_assign, "assign_add": _pu_assign_add}
+_PU_FNS: Mapping[str, Callable[..., None]] = MappingProxyType({"assign": _pu_assign, "assign_add": _pu_assign_add})
 
 
 def _issue(raw: Any, op: str, value: Any, key: Any = None, ph: str | None = None, sy: str | None = None) -> None:
@@ -165,9 +182,9 @@ def _issue(raw: Any, op: str, value: Any, key: Any = None, ph: str | None = None
             "on the PyTorch backend it must be a torch.nn.Parameter (rf.select_backend_torch())."
         )
     if ph is None:
-        ph = _phase_stack[-1]
+        ph = _STATE.phase_stack[-1]
     if sy is None:
-        sy = _sync_stack[-1]
+        sy = _STATE.sync_stack[-1]
     if op != "assign_key" and isinstance(value, torch.Tensor) and value.dim() and value.shape != raw.shape:
         # rf gives the value in the parameter's dims, possibly broadcast (size-1 axes): RETURNN's
         # copy_/add_ broadcast it; pu takes the target's shape or a scalar.
@@ -187,8 +204,8 @@ def _issue(raw: Any, op: str, value: Any, key: Any = None, ph: str | None = None
         if sy is None or f"sync={sy!r}" not in str(e):
             raise
         raise UpdateError(f"{e} {_sync_advice(str(e), sy)}") from None
-    if not _eager_in_training and _pu_read(raw) is raw and _in_training():
-        _eager_in_training.append(f"{_name_of(raw)} at {_call_site()}")
+    if not _STATE.eager_in_training and _pu_read(raw) is raw and _in_training():
+        _STATE.eager_in_training.append(f"{_name_of(raw)} at {_call_site()}")
     if not isinstance(raw, Parameter) and _pu_read(raw) is not raw:
         # Recorded in a step, but rf reads the raw tensor itself: the pending value would be invisible.
         raise UpdateError(
@@ -224,7 +241,7 @@ def _in_training() -> bool:
 def _parameter_assign(param: Any, value: Any, *, op: str = "assign") -> None:
     """``TorchBackend.parameter_assign``, routed: ``op="assign"``: ``pu.assign``; ``"add"``: ``pu.assign_add``."""
     if rf.is_static_traceable():  # RETURNN's own tracing (functional substitutes): its semantics
-        return _ORIG["parameter_assign"](param, value, op=op)
+        return _STATE.orig["parameter_assign"](param, value, op=op)
     raw = param.raw_tensor
     value_raw = value.copy_compatible_to_dims_raw(param.dims)
     if op == "assign":
@@ -242,7 +259,7 @@ def _parameter_assign_key(
     """``TorchBackend.parameter_assign_key``, routed: ``raw[key] <- value`` (``op="add"``: ``raw[key] + value``,
     the read seeing the pending value) through ``pu.assign_key``."""
     if rf.is_static_traceable():
-        return _ORIG["parameter_assign_key"](param, key, value, op=op, axis=axis, key_dim=key_dim)
+        return _STATE.orig["parameter_assign_key"](param, key, value, op=op, axis=axis, key_dim=key_dim)
     raw = param.raw_tensor
     key_raw, res_dims = _rf_utils.strided_slice_raw_key(param, axis, key, key_dim)
     value_raw = value.copy_compatible_to_dims_raw(res_dims)
@@ -265,7 +282,7 @@ def _batch_norm(source: Any, **kwargs: Any) -> Any:
     ``pu.assign(running_variance, v)``. Bitwise RETURNN's values; eval mode
     (reads only) is RETURNN's code unchanged.
     """
-    orig = _ORIG["batch_norm"]
+    orig = _STATE.orig["batch_norm"]
     rm, rv = kwargs.get("running_mean"), kwargs.get("running_variance")
     if rm is None or rv is None or rf.is_static_traceable():
         return orig(source, **kwargs)
@@ -286,7 +303,7 @@ def _batch_norm(source: Any, **kwargs: Any) -> Any:
 
 def _create_parameter_raw(tensor: Any, *, device: str | None = None) -> torch.nn.Parameter:
     """``TorchBackend.create_parameter_raw``, returning a ``pu.Parameter`` (same data and ``requires_grad``)."""
-    p = _ORIG["create_parameter_raw"](tensor, device=device)
+    p = _STATE.orig["create_parameter_raw"](tensor, device=device)
     return Parameter(p.detach(), requires_grad=p.requires_grad)
 
 
@@ -295,7 +312,7 @@ def _parameter_move_to(param: Any, *, device: str | None = None, dtype: str | No
     dtype)`` wrapped anew), a ``pu.Parameter`` when the old one was."""
     raw = param.raw_tensor
     if not isinstance(raw, Parameter):
-        return _ORIG["parameter_move_to"](param, device=device, dtype=dtype)
+        return _STATE.orig["parameter_move_to"](param, device=device, dtype=dtype)
     dev = torch.device(device) if device else None
     dt = _TorchBackend.as_dtype_raw(dtype) if dtype else None
     with torch._C.DisableTorchFunctionSubclass():
@@ -313,7 +330,7 @@ def _module_apply(self: Any, *args: Any, **kwargs: Any) -> Any:
     """
     rf_mod = self._rf_module
     was_pu = {n for n, p in rf_mod.named_parameters(recurse=False) if isinstance(p.raw_tensor, Parameter)}
-    out = _ORIG["_apply"](self, *args, **kwargs)
+    out = _STATE.orig["_apply"](self, *args, **kwargs)
     for name, rf_param in rf_mod.named_parameters(recurse=False):
         raw = rf_param.raw_tensor
         if name not in was_pu or type(raw) is not torch.nn.Parameter:
@@ -337,7 +354,7 @@ def _maybe_recompute(self: Any) -> Any:
     would substitute the *latest* pending value instead.
     """
     with torch._C.DisableTorchFunctionSubclass():
-        return _ORIG["maybe_recompute"](self)
+        return _STATE.orig["maybe_recompute"](self)
 
 
 def _saved_tensors_hooks_exit(self: Any, *exc: Any) -> Any:
@@ -357,14 +374,14 @@ def _saved_tensors_hooks_exit(self: Any, *exc: Any) -> Any:
     tls = _rt_gcs._custom_saved_tensors_hooks_tls_ctx
     if not getattr(tls, "active", False) and self not in (getattr(tls, "stack", None) or ()):
         return _rt_gcs._orig_saved_tensors_hooks_exit(self, *exc)
-    return _ORIG["saved_tensors_hooks_exit"](self, *exc)
+    return _STATE.orig["saved_tensors_hooks_exit"](self, *exc)
 
 
 # ---------------------------------------------------------------------------
 # install / uninstall
 # ---------------------------------------------------------------------------
 _PATCHES: tuple[tuple[Any, str, str, Callable[..., Any], bool], ...] = (
-    # (owner, attribute, key in _ORIG, replacement, staticmethod)
+    # (owner, attribute, key in _STATE.orig, replacement, staticmethod)
     (_TorchBackend, "create_parameter_raw", "create_parameter_raw", _create_parameter_raw, True),
     (_TorchBackend, "parameter_assign", "parameter_assign", _parameter_assign, True),
     (_TorchBackend, "parameter_assign_key", "parameter_assign_key", _parameter_assign_key, True),
@@ -374,15 +391,13 @@ _PATCHES: tuple[tuple[Any, str, str, Callable[..., Any], bool], ...] = (
     (_rt_gcs._Graph, "maybe_recompute", "maybe_recompute", _maybe_recompute, False),
     (_rt_gcs, "_custom_saved_tensors_hooks_exit", "saved_tensors_hooks_exit", _saved_tensors_hooks_exit, False),
 )
-_ORIG: dict[str, Callable[..., Any]] = {}
-_SAVED: dict[str, Any] = {}  # the class attributes as found (descriptors), restored by uninstall()
 _lock = threading.Lock()
 
 
 def _install() -> None:
     """Apply the patches (see the module docstring); idempotent. Refuses a RETURNN that lacks one."""
     with _lock:
-        if _SAVED:
+        if _STATE.saved:
             return
         for owner, attr, key, repl, static in _PATCHES:
             if attr not in owner.__dict__:
@@ -393,11 +408,11 @@ def _install() -> None:
                     "RETURNN version."
                 )
             found = owner.__dict__[attr]
-            _SAVED[f"{_qualname(owner)}.{attr}"] = (owner, attr, found)
-            _ORIG[key] = getattr(owner, attr)
+            _STATE.saved[f"{_qualname(owner)}.{attr}"] = (owner, attr, found)
+            _STATE.orig[key] = getattr(owner, attr)
             setattr(owner, attr, staticmethod(repl) if static else repl)
-        _swap_live_saved_tensors_hooks_exit(_ORIG["saved_tensors_hooks_exit"], _saved_tensors_hooks_exit)
-        _HOOK.append(register_optimizer_step_pre_hook(_first_step_check))
+        _swap_live_saved_tensors_hooks_exit(_STATE.orig["saved_tensors_hooks_exit"], _saved_tensors_hooks_exit)
+        _STATE.hook.append(register_optimizer_step_pre_hook(_first_step_check))
     _warn_untested_returnn()
 
 
@@ -408,19 +423,19 @@ def _uninstall() -> None:
 
 
 def _installed() -> bool:
-    return bool(_SAVED)
+    return bool(_STATE.saved)
 
 
 def _restore() -> None:
-    if "saved_tensors_hooks_exit" in _ORIG:
-        _swap_live_saved_tensors_hooks_exit(_saved_tensors_hooks_exit, _ORIG["saved_tensors_hooks_exit"])
-    for owner, attr, found in _SAVED.values():
+    if "saved_tensors_hooks_exit" in _STATE.orig:
+        _swap_live_saved_tensors_hooks_exit(_saved_tensors_hooks_exit, _STATE.orig["saved_tensors_hooks_exit"])
+    for owner, attr, found in _STATE.saved.values():
         setattr(owner, attr, found)
-    _SAVED.clear()
-    while _HOOK:
-        _HOOK.pop().remove()
-    _CHECKED.clear()
-    _eager_in_training.clear()
+    _STATE.saved.clear()
+    while _STATE.hook:
+        _STATE.hook.pop().remove()
+    _STATE.checked.clear()
+    _STATE.eager_in_training.clear()
 
 
 def _swap_live_saved_tensors_hooks_exit(old: Any, new: Any) -> None:
@@ -474,9 +489,6 @@ def _warn_untested_returnn() -> None:
 # ---------------------------------------------------------------------------
 # the first optimizer step: is what the model declared (and issued) committed by paramupdates?
 # ---------------------------------------------------------------------------
-_HOOK: list[Any] = []  # the global optimizer step pre-hook, while enabled
-_CHECKED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # optimizers already checked
-_eager_in_training: list[str] = []  # the first rf update applied at once in a train step ("name at file:line")
 
 
 def _first_step_check(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -490,9 +502,9 @@ def _first_step_check(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
     * Attached by :func:`optimizer`: a parameter decayed both by ``pur.weight_decay`` and by the
       optimizer's ``weight_decay``: ``UpdateError``.
     """
-    if opt in _CHECKED:
+    if opt in _STATE.checked:
         return
-    _CHECKED.add(opt)
+    _STATE.checked.add(opt)
     params = [p for g in opt.param_groups for p in g["params"]]
     if not any(isinstance(p, Parameter) for p in params):
         return
@@ -515,10 +527,10 @@ def _first_step_check(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
             "but no paramupdates step or attachment commits this optimizer's steps, so those rules would never "
             f"run. {fix} Nothing was written."
         )
-    if _eager_in_training:
+    if _STATE.eager_in_training:
         warnings.warn(
             f"paramupdates.returnn is enabled, but no paramupdates step or attachment commits {name}.step(): the rf "
-            f"updates of training (the first: {_eager_in_training[0]}) apply at once, as RETURNN does without the "
+            f"updates of training (the first: {_STATE.eager_in_training[0]}) apply at once, as RETURNN does without the "
             "bridge: no phase order, no transaction, and rf.gradient_checkpoint_scope's recomputation updates "
             f"counters and batch-norm statistics a second time. {fix}",
             UserWarning,
@@ -596,8 +608,6 @@ def _named_rf_params(params: Any) -> list[tuple[str, Any]]:
 # ---------------------------------------------------------------------------
 # RETURNN's Engine: config entries
 # ---------------------------------------------------------------------------
-# model / rf model / optimizer -> the attachment made for them (weakly both ways: the attachment holds the model)
-_ATTACHED: weakref.WeakKeyDictionary[Any, weakref.ref[Attachment]] = weakref.WeakKeyDictionary()
 
 
 class _Setup:
@@ -724,7 +734,7 @@ def _attach_engine_optimizer(setup: _Setup, opt: torch.optim.Optimizer) -> None:
     att = _pu_attach(model, opt, **setup.attach_opts)
     for key in (model, setup.rf_model, opt):
         if key is not None:
-            _ATTACHED[key] = weakref.ref(att)
+            _STATE.attached[key] = weakref.ref(att)
     setup.model = setup.rf_model = None  # the attachment holds them; this config entry does not
 
 
@@ -746,7 +756,7 @@ def _attachment_of(obj: Any) -> Attachment | None:
     if hasattr(obj, "get_pt_optimizer"):
         obj = obj.get_pt_optimizer()
     try:
-        ref = _ATTACHED.get(obj)
+        ref = _STATE.attached.get(obj)
     except TypeError:  # not weak-referenceable
         return None
     return None if ref is None else ref()
@@ -849,11 +859,11 @@ def phase(name: str | None) -> Iterator[None]:
     Outside a step the phase is irrelevant: updates apply at once.
     """
     _check_phase(name, "paramupdates.returnn.phase")
-    _phase_stack.append(name)
+    _STATE.phase_stack.append(name)
     try:
         yield
     finally:
-        _phase_stack.pop()
+        _STATE.phase_stack.pop()
 
 
 @contextlib.contextmanager
@@ -882,11 +892,11 @@ def sync(how: str | None) -> Iterator[None]:
     e.g. ``with pur.sync("mean" if rf.get_run_ctx().train_flag else None):``.
     """
     _check_sync(how, "paramupdates.returnn.sync")
-    _sync_stack.append(how)
+    _STATE.sync_stack.append(how)
     try:
         yield
     finally:
-        _sync_stack.pop()
+        _STATE.sync_stack.pop()
 
 
 def assign(param: Any, value: Any, *, phase: str | None = None, sync: str | None = None) -> None:

@@ -94,9 +94,17 @@ STATE_NAME = "paramupdates.pt"
 
 _FORMAT = 1
 
+
 # attachments made by a ParamUpdates: one left attached by a train() that raised is detached
 # by the next on_train_begin for the same model
-_ours: weakref.WeakSet[Attachment] = weakref.WeakSet()
+class _Made:
+    """The attachments made by a ``ParamUpdates`` (held weakly)."""
+
+    def __init__(self) -> None:
+        self.attachments: weakref.WeakSet[Attachment] = weakref.WeakSet()
+
+
+_OURS = _Made()
 
 
 class ParamUpdates(TrainerCallback):
@@ -142,10 +150,10 @@ class ParamUpdates(TrainerCallback):
                 f"{'model' if model is None else 'optimizer'}; add it to a transformers.Trainer's "
                 "callbacks (Trainer(..., callbacks=[ParamUpdates()])), which passes both."
             )
-        for stale in [a for a in _ours if a.model is model]:
+        for stale in [a for a in _OURS.attachments if a.model is model]:
             stale.detach()  # left attached by a train() that raised: its step in progress is dropped
         self.attachment = attach(model, optimizer, **self.options)
-        _ours.add(self.attachment)
+        _OURS.attachments.add(self.attachment)
         self._attached = True
         if state.global_step > 0 and self.restore:
             try:

@@ -40,6 +40,7 @@ batch statistics).
 from __future__ import annotations
 
 import dis
+import functools
 import inspect
 from typing import Any
 
@@ -73,21 +74,17 @@ def _under_functorch() -> bool:
     return torch._C._functorch.maybe_current_level() is not None
 
 
-_SITE: list[Origin] = []
-
-
+@functools.cache
 def _forward_line() -> Origin:
     """The line of :meth:`UpdateSafeBatchNorm.forward` that issues the statistics (its call of
     ``_train_with_stats``), found in the bytecode once: no source file needed."""
-    if not _SITE:
-        code = UpdateSafeBatchNorm.forward.__code__
-        line = code.co_firstlineno
-        for ins in dis.get_instructions(code):
-            if ins.argval == "_train_with_stats" and ins.positions is not None and ins.positions.lineno:
-                line = ins.positions.lineno
-                break
-        _SITE.append(Origin(code.co_filename, line))
-    return _SITE[0]
+    code = UpdateSafeBatchNorm.forward.__code__
+    line = code.co_firstlineno
+    for ins in dis.get_instructions(code):
+        if ins.argval == "_train_with_stats" and ins.positions is not None and ins.positions.lineno:
+            line = ins.positions.lineno
+            break
+    return Origin(code.co_filename, line)
 
 
 def _forward_site_text() -> str:

@@ -59,8 +59,8 @@ def _to(cls: type) -> Converter:
     return fn
 
 
-handles = [
+handles = (
     register_converter(_timm.BatchNormAct2d, _to(BatchNormAct2d)),
     register_converter(_timm.SyncBatchNormAct, _to(SyncBatchNormAct)),
-]
+)
 torch.serialization.add_safe_globals([BatchNormAct2d, SyncBatchNormAct])

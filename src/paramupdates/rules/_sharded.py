@@ -33,8 +33,9 @@ from .. import sharding
 from ..errors import UpdateError
 
 if TYPE_CHECKING:
-    from ..targets import ModelIndex
-    from .constraints import Constraint
+    from ..records import IndexLike as ModelIndex
+
+Constraint = Any  # a rules.constraints.Constraint (a norm constraint with .dim / .norm_bound)
 
 
 def _reduced_dims(t: torch.Tensor, dim: int | None) -> tuple[int, ...]:

@@ -87,9 +87,10 @@ class Constraint:
     def validate(self, name: str, t: torch.Tensor, origin: str) -> None:
         """Raise if the constraint cannot apply to ``t`` (checked at declaration)."""
 
-    def plan(self, ts: list[torch.Tensor]) -> Any:
+    def plan(self, ts: list[torch.Tensor], norms: str = "auto") -> Any:
         """Precompute what :meth:`apply_` needs for ``ts``: indices into ``ts``, never the tensors
-        (a rule must not keep them alive); rebuilt when any tensor's storage changes."""
+        (a rule must not keep them alive); rebuilt when any tensor's storage changes. ``norms``: how
+        a norm constraint computes row norms (:data:`NORMS`; others ignore it)."""
         keep = [i for i, t in enumerate(ts) if t.numel()]
         sub = [ts[i] for i in keep]
         return (
@@ -160,7 +161,7 @@ class _Norm(Constraint):
         return w * self.factor(self.norms(w))
 
     # foreach path
-    def plan(self, ts: list[torch.Tensor]) -> Any:
+    def plan(self, ts: list[torch.Tensor], norms: str = "auto") -> Any:
         whole: list[int] = []
         by_rank: dict[tuple, list[int]] = {}
         for i, t in enumerate(ts):
@@ -172,7 +173,7 @@ class _Norm(Constraint):
                 by_rank.setdefault((t.device, t.dtype, t.ndim, self.dim % t.ndim), []).append(i)
         rows = []
         for (dev, _dt, nd, d), idx in by_rank.items():
-            if use_segments(dev):
+            if norms == "segments" or (norms == "auto" and dev.type != "cpu"):
                 counts = [ts[i].shape[d] for i in idx]
                 per_row = [ts[i].numel() // ts[i].shape[d] if ts[i].shape[d] else 0 for i in idx]
                 lengths = torch.tensor(per_row, dtype=torch.long).repeat_interleave(torch.tensor(counts)).to(dev)
@@ -184,7 +185,8 @@ class _Norm(Constraint):
             for i in idx:
                 t = ts[i]
                 trail = tuple(s for j, s in enumerate(t.shape) if j != d)
-                key = ("cat", trail) if t.numel() <= CAT_NUMEL and nd > 1 else ("each",)
+                small = norms == "concat" or (norms == "auto" and t.numel() <= CAT_NUMEL)
+                key = ("cat", trail) if small and nd > 1 else ("each",)
                 batches.setdefault(key, []).append(i)
             order = [i for b in batches.values() for i in b]
             kinds = [(k[0] == "cat", len(b)) for k, b in batches.items()]
@@ -231,15 +233,22 @@ class _Norm(Constraint):
             torch._foreach_mul_(vs, self.factor(n).split_with_sizes(counts))
 
 
-FORCE_SEGMENTS = False  # tests set it to check the accelerator strategy on CPU
 CAT_NUMEL = 4096
-"""CPU: tensors of at most this many elements are concatenated for their row norms. Above it, copying
-costs more than the ~2 us per call it saves (measured: benchmarks/rules.py, "tiny"/"small" vs "large")."""
+"""CPU, ``norms="auto"``: tensors of at most this many elements are concatenated for their row norms.
+Above it, copying costs more than the ~2 us per call it saves (measured: benchmarks/rules.py,
+"tiny"/"small" vs "large")."""
 
+NORMS = ("auto", "segments", "concat", "each")
+"""How a norm constraint's foreach path computes its row norms (``pu.constrain(..., norms=)``):
 
-def use_segments(device: torch.device) -> bool:
-    """Row norms by one segment_reduce over the group (accelerators) or per tensor (CPU)."""
-    return FORCE_SEGMENTS or device.type != "cpu"
+* ``"auto"``: ``"segments"`` on accelerators; on CPU ``"concat"`` for tensors of at most
+  :data:`CAT_NUMEL` elements and ``"each"`` above;
+* ``"segments"``: one ``segment_reduce`` over a ``torch._chunk_cat`` of the group (launch bound);
+* ``"concat"``: small tensors of one trailing shape concatenated into one ``vector_norm`` call;
+* ``"each"``: one ``vector_norm`` per tensor (no copy).
+
+Every choice gives the same norms up to rounding (bitwise, between ``"concat"`` and ``"each"``):
+it is a speed knob, and what the tests use to check each path on any device."""
 
 
 def _flat(vs: list[torch.Tensor]) -> torch.Tensor:
@@ -428,9 +437,11 @@ class Constrain(OnTensorList, Rule):
         origin: str,
         foreach: bool = True,
         root: nn.Module | None = None,
+        norms: str = "auto",
     ) -> None:
         super().__init__(origin)
         self.constraint = constraint
+        self.norms = norms
         # a user callable has only the reference path: c(w) tensor by tensor
         self.foreach = foreach and not isinstance(constraint, CallableConstraint)
         self.kind = f"constrain:{constraint.name}"
@@ -491,9 +502,10 @@ class Constrain(OnTensorList, Rule):
                     # which norms are local (kept dim sharded, or nothing sharded) is decided on the global
                     # layout, the same on every rank, so every rank joins the same collectives
                     self._local_idx, self._reduce_idx = split_norms(self.constraint, ts, ctx.index, self.origin)
-                    self._plan = self.constraint.plan(sharding.locals_of([ts[i] for i in self._local_idx]))
+                    local = sharding.locals_of([ts[i] for i in self._local_idx])
+                    self._plan = self.constraint.plan(local, self.norms)
                 else:
-                    self._plan = self.constraint.plan(ts) if self.foreach else None
+                    self._plan = self.constraint.plan(ts, self.norms) if self.foreach else None
             self._key = key
         self._live = ts  # held for this commit only
 
@@ -570,6 +582,7 @@ def constrain(
     constraint: Constraint | Callable[[torch.Tensor], torch.Tensor],
     *,
     foreach: bool | None = None,
+    norms: str = "auto",
 ) -> Constrain:
     """Declare ``constraint`` on ``params``; phase ``after_grad``.
 
@@ -582,8 +595,12 @@ def constrain(
     convention) or any callable ``tensor -> tensor`` (same shape and device).
     Several constraints on one tensor apply in declaration order. ``foreach=False``
     runs the reference path (``t <- c(t)`` tensor by tensor; equal to the foreach path
-    up to the rounding of the norms). Returns the rule (``.remove()`` undeclares it).
+    up to the rounding of the norms). ``norms``: how the foreach path of a norm constraint
+    computes row norms (``"auto"``, ``"segments"``, ``"concat"``, ``"each"``: see :data:`NORMS`; a
+    speed choice, the result is the same up to rounding). Returns the rule (``.remove()`` undeclares it).
     """
+    if norms not in NORMS:
+        raise ValueError(f"pu.constrain: norms must be one of {NORMS}, not {norms!r}")
     origin = call_site(2)
     if not isinstance(constraint, Constraint):
         if not callable(constraint):
@@ -600,7 +617,7 @@ def constrain(
     check_declared(named, root, "pu.constrain", origin)
     for name, t in named:
         constraint.validate(name, t, origin)
-    rule = Constrain(named, constraint, origin, foreach is not False, root)
+    rule = Constrain(named, constraint, origin, foreach is not False, root, norms)
     adopt_known(rule, root)
     register(rule)
     return rule

@@ -1,0 +1,110 @@
+"""A ``pu.step`` owns its optimizer's step: an ``optimizer.step()`` (or ``GradScaler.step``) inside the
+block raises before it writes; ``scaler=`` makes the commit call the scaler."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import paramupdates as pu
+from misuse_helpers import BNNet
+from misuse_helpers import line_of as _line_of
+from misuse_helpers import rules_model as _rules_model
+
+from conftest import assert_same, snapshot
+
+
+@pytest.mark.parametrize("attached", [False, True])
+def test_optimizer_step_inside_pu_step_raises_before_it_writes(attached):
+    m, opt, avg = _rules_model()
+    if attached:
+        pu.attach(m, opt)  # a pu.step on an attached optimizer owns its step too
+    before = snapshot(m, opt, avg)
+    with pytest.raises(pu.UpdateError) as ei:
+        with pu.step(m, opt):
+            m(torch.randn(8, 4)).square().sum().backward()
+            opt.step()  # MARK: the usual port of an existing loop
+    msg = str(ei.value)
+    assert f"Adam.step() at tests/test_step_owns_its_optimizer.py:{_line_of('MARK: the usual')}" in msg
+    assert "pu.step at tests/test_step_owns_its_optimizer.py:" in msg and "Remove the optimizer.step() call" in msg
+    assert "pu.attach(model, optimizer)" in msg and "scaler=scaler" in msg
+    assert_same(before, snapshot(m, opt, avg))  # the optimizer did not write, the step was discarded
+    # the optimizer is ours again after the step: the next step commits once
+    opt.zero_grad()
+    with pu.step(m, opt) as s:
+        m(torch.randn(8, 4)).square().sum().backward()
+    assert s.steps == 1 and len(opt.state) == 4 and int(opt.state[m.lin.weight]["step"]) == 1
+    opt.step()  # outside a step: plain PyTorch (or the attachment's commit)
+    assert int(opt.state[m.lin.weight]["step"]) == 2
+
+
+def test_gradscaler_step_inside_pu_step_raises():
+    m, opt, avg = _rules_model()
+    scaler = torch.amp.GradScaler("cpu")
+    before = snapshot(m, opt, avg)
+    with pytest.raises(
+        pu.UpdateError, match=r"Adam.step\(\) at tests/test_step_owns_its_optimizer.py:\d+ was called inside"
+    ):
+        with pu.step(m, opt):
+            scaler.scale(m(torch.randn(8, 4)).square().sum()).backward()
+            scaler.step(opt)
+    assert_same(before, snapshot(m, opt, avg))
+
+
+def _scaler_run(use, init_scale, steps=3):
+    torch.manual_seed(0)
+    m = BNNet()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+    pu.constrain(m.lin.weight, pu.max_norm(1.0))
+    avg = pu.ema(m, 0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=2)
+    torch.manual_seed(1)
+    xs = [torch.randn(8, 4) for _ in range(steps)]
+    owner = pu.attach(m, opt) if use == "attach" else pu.Stepper(m, opt, scaler=scaler)
+    for x in xs:
+        opt.zero_grad()
+        if use == "attach":
+            scaler.scale(m(x).square().sum()).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            with owner:
+                scaler.scale(m(x).square().sum()).backward()
+    pu.testing.reset()
+    return m, opt, avg, scaler, owner
+
+
+def _opt_state(opt):
+    return [(f"{i}.{k}", v) for i, st in opt.state_dict()["state"].items() for k, v in st.items()]
+
+
+def test_gradscaler_through_pu_step_equals_the_attach_loop():
+    """``pu.step(model, opt, scaler=scaler)``: the commit calls scaler.step(opt) and scaler.update()."""
+    a = _scaler_run("step", 2.0**10)
+    b = _scaler_run("attach", 2.0**10)
+    assert_same(snapshot(a[0], a[2]), snapshot(b[0], b[2]))
+    assert_same(_opt_state(a[1]), _opt_state(b[1]))
+    assert a[3].get_scale() == b[3].get_scale() == 2.0**11  # grown once (growth_interval=2, 3 good steps)
+    assert a[4].steps == 3 and a[4].skipped_steps == 0
+
+
+def test_gradscaler_overflow_skips_the_whole_step_and_lowers_the_scale():
+    m, opt, avg, scaler, owner = _scaler_run("step", 2.0**127, steps=1)  # the scaled loss overflows
+    torch.manual_seed(0)
+    fresh = BNNet()
+    assert_same(snapshot(m), snapshot(fresh))  # nothing written: no statistics, no optimizer step
+    assert_same(snapshot(avg), snapshot(pu.ema(fresh, 0.5)))
+    assert owner.skipped_steps == 1 and owner.steps == 0 and not opt.state
+    assert scaler.get_scale() == 2.0**126  # backed off, as scaler.update() does after an overflow
+
+
+def test_scaler_option_is_refused_under_attach_and_with_a_closure():
+    m = BNNet()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    with pytest.raises(TypeError, match="keep scaler.step"):
+        pu.attach(m, opt, scaler=scaler)
+    with pytest.raises(TypeError, match="closure= and scaler="):
+        pu.Stepper(m, opt, scaler=scaler, closure=lambda: None)
+    with pytest.raises(TypeError, match="GradScaler"):
+        pu.step(m, opt, scaler=object())

@@ -331,7 +331,7 @@ def test_counter_travels_with_a_module_that_holds_the_copy(tmp_path):
 
 
 def test_a_state_saved_with_the_counter_buffer_still_loads(tmp_path):
-    """Checkpoints written before issue 24 hold t as the copy's buffer ``pu_ema_updates`` (and no metadata
+    """Checkpoints written by earlier versions hold t as the copy's buffer ``pu_ema_updates`` (and no metadata
     entry): the copy, a module holding it and a Stepper load them strictly and take t from them."""
     m = _bn_net()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)

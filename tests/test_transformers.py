@@ -259,7 +259,7 @@ def test_resume_from_checkpoint_is_bitwise_with_the_pu_state(straight, tmp_path)
     trainer.train(resume_from_checkpoint=str(ckpt))
     assert_same(expect, snapshot(model, ema))  # the model, its statistics, the EMA copy and its counter
     assert cb.attachment.steps == steps == 6 and rule_of(ema).updates == 6
-    assert int(ema.pu_ema_updates) == 6
+    assert pu.rules.ema.rule_of(ema).updates == 6
 
 
 def test_resume_from_the_last_checkpoint(straight, tmp_path):

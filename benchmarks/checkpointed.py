@@ -26,9 +26,9 @@ from .timing import interleaved, ms, ratios
 def available() -> str | None:
     """None if the benchmark can run, else why not."""
     if getattr(pu, "checkpoint", None) is None:
-        return "pu.checkpoint not in this build (issue 4 not merged yet)"
+        return "pu.checkpoint not in this build"
     if getattr(getattr(pu, "nn", None), "BatchNorm2d", None) is None:
-        return "pu.nn.BatchNorm2d not in this build (issue 4 not merged yet)"
+        return "pu.nn.BatchNorm2d not in this build"
     return None
 
 

@@ -192,7 +192,7 @@ class Harness:
     ) -> None:
         torch.manual_seed(seed)
         self.m = Net(bn)
-        self.averaged = pu.ema(self.m, 0.9) if ema else None  # the declared EMA rule (issue 3)
+        self.averaged = pu.ema(self.m, 0.9) if ema else None  # the declared EMA rule
         self.opt = Flaky(self.m.parameters(), lr=0.05, weight_decay=0.01)
         self.rules = [register(Tally(self.m.tally, ph)) for ph in ("before_grad", "after_grad", "auxiliary")]
         self.shadow = register(Shadow(self.m))

@@ -231,7 +231,7 @@ def test_statistics_become_the_pending_values_without_a_copy():
     assert torch.equal(bn.running_mean, ref.running_mean) and torch.equal(bn.running_var, ref.running_var)
 
 
-# --- drop-in: every argument of the installed torch's classes (issue 24, item 9) --------------------------
+# --- drop-in: every argument of the installed torch's classes --------------------------
 PAIRS = [
     (nn.BatchNorm1d, pu.nn.BatchNorm1d, (6, 3, 4)),
     (nn.BatchNorm2d, pu.nn.BatchNorm2d, (4, 3, 5, 2)),
@@ -278,7 +278,7 @@ def _assert_drop_in(tcls, pcls, kwargs, shape, args=(3,)):
 @pytest.mark.parametrize("tcls,pcls,shape", PAIRS, ids=lambda c: getattr(c, "__name__", ""))
 def test_every_argument_of_torchs_class_is_accepted(tcls, pcls, shape):
     """The signature is the installed torch class's plus sync_stats; each argument, given alone with a
-    value other than its default (bias=False raised TypeError before issue 24), builds the module torch
+    value other than its default (bias=False raised TypeError before the fix), builds the module torch
     builds, which then trains and evaluates as torch's does."""
     theirs = inspect.signature(tcls).parameters
     ours = dict(inspect.signature(pcls).parameters)

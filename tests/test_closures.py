@@ -217,7 +217,7 @@ def test_lr_scheduler_before_or_after_attach(order):
     assert_same(want, got)
 
 
-# --- every driver x SGD (momentum) / Adam / LBFGS, against AdamW or the hand-written decay (issue 17) ---
+# --- every driver x SGD (momentum) / Adam / LBFGS, against AdamW or the hand-written decay ---
 
 LR, WD = 0.05, 0.1
 

@@ -168,7 +168,7 @@ def _data(n=4):
 
 def test_constraint_runs_after_the_optimizer_step():
     """Bitwise: torch's SGD, then the constraint's own foreach path (what the rule runs) on its result.
-    (Before issue 24 the reference applied ``c(w)``, the reference path, whose norms round differently,
+    (Earlier, the reference applied ``c(w)``, the reference path, whose norms round differently,
     under a tolerance that held on AVX-512 and failed with ATEN_CPU_CAPABILITY=default.)"""
     m = Net()
     ref = copy.deepcopy(m)

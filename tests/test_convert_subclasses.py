@@ -48,7 +48,7 @@ def _x():
 
 
 def test_subclass_with_its_own_forward_is_left_alone_with_a_warning():
-    """Failed before issue 17: NormAct became pu.nn.BatchNorm2d and its ReLU was silently dropped."""
+    """Failed before the fix: NormAct became pu.nn.BatchNorm2d and its ReLU was silently dropped."""
     net = _net()
     ref = copy.deepcopy(net)
     x = _x()

@@ -62,7 +62,7 @@ def test_checkpointing_contrast_detected(result):
 
 
 def test_the_evaluated_model_is_the_reference_only_with_paramupdates(result):
-    """The harm shown (issue 24, item 7: before, the demo showed accuracy only, where torch's variant
+    """The harm shown (earlier the demo showed accuracy only, where torch's variant
     scored higher): under torch's checkpointing the model evaluated after training is not the model
     trained without checkpointing; under pu.checkpoint it is, bitwise (test logits, model and EMA copy)."""
     ref, pu_run, tc = (result.runs[n] for n in demo.VARIANTS)

@@ -44,7 +44,7 @@ class NormAct(nn.BatchNorm2d):
 
 
 def test_the_converter_recipe_of_frameworks_md_registers_and_converts():
-    """Before issue 24 the text said to register with pu.nn.convert_module(module, SafeClass), which
+    """Earlier, the text said to register with pu.nn.convert_module(module, SafeClass), which
     registers nothing: the recipe is pu.nn.register_converter(cls, fn)."""
     (block,) = [b for b in _python_blocks("docs/frameworks.md") if "register_converter" in b]
     torch.manual_seed(0)

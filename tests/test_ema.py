@@ -240,7 +240,7 @@ def test_declaration_errors():
         pu.ema(m, 0.9, warmup=-1)
 
 
-# --- issue 17: t is a buffer of the copy; timm's warmup; dtype= and device= -------------------
+# --- t is a buffer of the copy; timm's warmup; dtype= and device= -------------------
 
 
 def _steps(m, opt, xs):
@@ -259,8 +259,8 @@ def _saved(obj, path, **load):
 @pytest.mark.parametrize("weights_only", [True, False])
 def test_saving_the_copy_alone_resumes_the_warmup_bitwise(tmp_path, weights_only):
     """A framework that saves only the averaged copy (timm's CheckpointSaver, a Lightning module holding it)
-    keeps the warmup state: ``t`` travels in the metadata of the copy's state_dict. (Before issue 17, t
-    lived only in the rule and a resumed warmup restarted at t = 0; from issue 17 to 24 it was a buffer.)"""
+    keeps the warmup state: ``t`` travels in the metadata of the copy's state_dict. (Earlier, t
+    lived only in the rule and a resumed warmup restarted at t = 0; later it was a buffer.)"""
     data = _data(6)
     m = _bn_net()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
@@ -289,7 +289,7 @@ def test_saving_the_copy_alone_resumes_the_warmup_bitwise(tmp_path, weights_only
 
 def test_the_copy_loads_into_the_model_strictly_and_its_buffers_pair_with_the_models():
     """The most common EMA pattern: evaluate or export the averaged weights by loading them into the model,
-    and code written for ``AveragedModel(...).module``. Failed before issue 24: the copy had an extra root
+    and code written for ``AveragedModel(...).module``. Failed before the fix: the copy had an extra root
     buffer, pu_ema_updates ('Unexpected key(s)'; zip(copy.buffers(), model.buffers()) off by one)."""
     m = _bn_net()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)

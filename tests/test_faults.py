@@ -183,7 +183,7 @@ def test_default_optimizer_fault_keeps_its_writes_drops_the_rest_and_says_so(dri
         h.close()
 
 
-@pytest.mark.skipif(not hasattr(pu, "ema"), reason="pu.ema lands with issue 3")
+@pytest.mark.skipif(not hasattr(pu, "ema"), reason="needs pu.ema")
 def test_fault_matrix_with_ema():
     """The same matrix with the declared pu.ema: its averaged copy and counters are restored."""
     rng = random.Random(11)

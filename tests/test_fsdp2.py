@@ -1,4 +1,4 @@
-"""FSDP2 (``torch.distributed.fsdp.fully_shard``, DTensor parameters): every rule and update (issue 14).
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``, DTensor parameters): every rule and update.
 
 Two gloo ranks on 127.0.0.1 (``tests/dist_harness.py``), two launches: one for
 the training scenarios (each compared with a single-process reference), one for

@@ -287,7 +287,7 @@ def test_attach_unwraps_the_lightning_optimizer():
     assert ours.att.optimizer is trainer.optimizers[0]
 
 
-# --- issue 24, item 2: what is pending between steps commits where plain Lightning has it written -------
+# --- what is pending between steps commits where plain Lightning has it written -------
 class GANWithNorms(L.LightningModule):
     """A GAN whose generator and discriminator both have a batch norm (manual optimization, two
     optimizers). The discriminator's forward inside the generator's step issues statistics that no
@@ -447,7 +447,7 @@ def test_a_checkpoint_saved_before_the_callbacks_hook_holds_what_plain_lightning
     assert saved["callbacks"]["ParamUpdates"]["attachments"][1]["steps"] == 6  # 3 optimizer steps, 3 flushes
 
 
-# --- issue 24, item 3: configure_optimizers run again by a later fit ------------------------------------
+# --- configure_optimizers run again by a later fit ------------------------------------
 class LitConstrained(Lit):
     """Declares weight decay, a built-in constraint and a lambda in ``configure_optimizers``, as the docs show."""
 

@@ -26,7 +26,7 @@ def _train(h: Harness, lo: int, hi: int) -> None:
     h.m.fault = None
 
 
-EMA = pytest.param(True, marks=pytest.mark.skipif(not hasattr(pu, "ema"), reason="pu.ema lands with issue 3"), id="ema")
+EMA = pytest.param(True, marks=pytest.mark.skipif(not hasattr(pu, "ema"), reason="needs pu.ema"), id="ema")
 
 
 @pytest.mark.parametrize("ema", [False, EMA])

@@ -1099,7 +1099,7 @@ def test_engine_refuses_what_skips_the_optimizer_hooks(tmp_path, key, value):
 
 
 # ---------------------------------------------------------------------------
-# what the bridge refuses or warns about at the first train step (issue 24, items 4 and 5)
+# what the bridge refuses or warns about at the first train step
 # ---------------------------------------------------------------------------
 def test_engine_enable_alone_refuses_declared_rules(tmp_path):
     """pur.enable() with RETURNN's own optimizer dict: nothing commits inside optimizer.step(), so the
@@ -1170,7 +1170,7 @@ def test_double_weight_decay_declared_after_the_optimizer_refused_at_first_step(
 
 
 # ---------------------------------------------------------------------------
-# RETURNN versions and the contract of every patched function (issue 24, item 6)
+# RETURNN versions and the contract of every patched function
 # ---------------------------------------------------------------------------
 def test_returnn_version_range_is_pinned_tested_and_warned(monkeypatch):
     """pyproject's returnn extra pins exactly the bridge's tested range; the installed RETURNN (what CI

@@ -139,7 +139,7 @@ def test_cast_model_rebuilds_the_plans_and_a_moved_copy_is_still_refused(full_ch
     stepper = pu.Stepper(m, opt)
     _step(m, opt, stepper, 0)
     _step(m, opt, stepper, 1)
-    _cast(m, opt)  # the model: its EMA copy follows it (issue 15)
+    _cast(m, opt)  # the model: its EMA copy follows it
     _step_double(m, opt, stepper, 2)
     assert m[0].weight.dtype == averaged[0].weight.dtype == torch.float64
     averaged.float()  # the copy alone: its pairs no longer match

@@ -34,7 +34,7 @@ class Net(nn.Module):
 
 
 def test_state_dict_with_keep_vars_loads_with_weights_only():
-    """Failed before issue 17: 'Unsupported global: paramupdates.parameter._rebuild'."""
+    """Failed before the fix: 'Unsupported global: paramupdates.parameter._rebuild'."""
     net = pu.convert(Net())
     state = _round_trip(net.state_dict(keep_vars=True))
     assert type(state["scale"]) is pu.Parameter and state["scale"].auxiliary and not state["scale"].requires_grad

@@ -1,4 +1,4 @@
-"""The core's side of sharding support (issue 14), in one process: no DTensor needed."""
+"""The core's side of sharding support, in one process: no DTensor needed."""
 
 from __future__ import annotations
 

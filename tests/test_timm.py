@@ -22,7 +22,7 @@ def timm():
 
 @pytest.mark.parametrize("name", ["efficientnet_b0", "mobilenetv3_small_050"])
 def test_converted_timm_model_equals_timm_bitwise(timm, name):
-    """Failed before issue 17: BatchNormAct2d became pu.nn.BatchNorm2d, the activation was dropped
+    """Failed before the fix: BatchNormAct2d became pu.nn.BatchNorm2d, the activation was dropped
     (efficientnet_b0's and mobilenetv3's outputs changed by up to 24)."""
     from timm.layers import BatchNormAct2d
 

@@ -1,4 +1,4 @@
-"""What ``torch.nn.Module`` operations see and may do while updates are pending (issue 15).
+"""What ``torch.nn.Module`` operations see and may do while updates are pending.
 
 Inside a step a module's buffer slot holds its pending value and a
 ``pu.Parameter`` shows its own (read-your-writes, rule 1). Reads see them;

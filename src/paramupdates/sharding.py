@@ -1,4 +1,4 @@
-"""Sharded tensors in the core: local views, and the hooks a sharding integration fills (issue 14).
+"""Sharded tensors in the core: local views, and the hooks a sharding integration fills.
 
 A sharded parameter (a ``torch.distributed.tensor.DTensor``, as FSDP2's
 ``fully_shard`` makes them) is written by paramupdates through its *local

@@ -1,4 +1,4 @@
-"""FSDP2 (``torch.distributed.fsdp.fully_shard``) support; FSDP1 and DeepSpeed ZeRO refused (issue 14).
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) support; FSDP1 and DeepSpeed ZeRO refused.
 
 How FSDP2 lays out a model (torch 2.13, ``torch/distributed/fsdp/_fully_shard/``)
     * ``fully_shard(module)`` replaces every parameter of ``module`` (not yet

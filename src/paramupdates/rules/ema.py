@@ -46,7 +46,7 @@ buffers are the model's, name for name and nothing more, so, as with
 ``AveragedModel(...).module``, ``model.load_state_dict(copy.state_dict())``
 loads strictly and ``zip(copy.buffers(), model.buffers())`` pairs them.
 
-Where ``t`` lives (the choice, issue 24). ``t`` must travel with whatever saves
+Where ``t`` lives (the choice). ``t`` must travel with whatever saves
 the copy (a Lightning checkpoint of a module that holds it, timm's
 ``CheckpointSaver``, ``torch.save(copy.state_dict())``), or a resumed warmup
 restarts at 0; and it must not be a tensor of the copy, or the copy's
@@ -61,7 +61,7 @@ its metadata there). What rebuilds the state_dict as a plain dict
 drops the metadata and with it ``t``: a load without ``t`` leaves ``t`` as it
 is. The ``state_dict()`` of every Stepper or attachment whose model owns the
 averaged tensors also holds ``t`` (``"updates"``), as a plain entry. A
-state_dict saved before issue 24, when ``t`` was the copy's buffer
+state_dict saved by earlier versions, when ``t`` was the copy's buffer
 ``pu_ema_updates``, still loads (strictly): the pre-hook takes ``t`` from it.
 The alternatives: a buffer (the layout before: strict loading into the model
 fails, the buffers do not pair), a non-persistent buffer (``buffers()`` still
@@ -111,7 +111,7 @@ if TYPE_CHECKING:
 
 COUNTER = "pu_ema_updates"
 """The key of ``t`` (the number of EMA updates so far) in the copy's ``state_dict`` metadata
-(``state_dict._metadata[prefix][COUNTER]``); before issue 24, the name of a buffer of the copy."""
+(``state_dict._metadata[prefix][COUNTER]``); in earlier versions, the name of a buffer of the copy."""
 
 
 class Counter:
@@ -140,7 +140,7 @@ class SaveCounter:
 class LoadCounter:
     """The copy's ``load_state_dict`` pre-hook: ``t`` from the metadata for the copy, if it has it.
 
-    A state_dict saved before issue 24 holds ``t`` as the tensor ``prefix + "pu_ema_updates"``: it is
+    A state_dict saved by an earlier version holds ``t`` as the tensor ``prefix + "pu_ema_updates"``: it is
     taken (and removed, so that strict loading passes). A state_dict that carries no ``t`` (the
     model's own, or one rebuilt as a plain dict, which drops the metadata) leaves ``t`` as it is.
     """
@@ -159,7 +159,7 @@ class LoadCounter:
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        old = state_dict.pop(prefix + COUNTER, None)  # the layout before issue 24: a 0-dim int64 buffer
+        old = state_dict.pop(prefix + COUNTER, None)  # the earlier layout: a 0-dim int64 buffer
         t = local_metadata.get(COUNTER)
         if t is None and old is not None:
             t = int(old)
@@ -518,7 +518,7 @@ class EMA(Rule):
         return {"module": self.module.state_dict(), "updates": self.updates, "decay": self.decay}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.module.load_state_dict(state["module"])  # (a state saved before issue 24: t as a tensor, taken)
+        self.module.load_state_dict(state["module"])  # (a state saved by an earlier version: t as a tensor, taken)
         self.updates = int(state["updates"])
 
     def save(self) -> Any:
@@ -535,7 +535,7 @@ def _mixed_lerp_(d: list[torch.Tensor], s: list[torch.Tensor], w: float) -> None
 
 
 def weights(averaged: nn.Module) -> dict[str, torch.Tensor]:
-    """The copy's ``state_dict``: since issue 24 ``averaged.state_dict()`` itself loads into the model.
+    """The copy's ``state_dict``: ``averaged.state_dict()`` itself loads into the model (``t`` is in its metadata).
 
     ``model.load_state_dict(averaged.state_dict())`` puts the averaged weights
     into the model (strict loading; a copy kept in another dtype is cast by

@@ -136,7 +136,7 @@ class WeightDecay(OnTensorList, Rule):
     # --- plan ------------------------------------------------------------------
     def check(self, ctx: CommitContext) -> None:
         opt = ctx.optimizer
-        if opt is None:  # pragma: no cover - collect_rules drops per-update rules without optimizer
+        if opt is None:  # pragma: no cover - Commit._take_rules drops per-update rules without optimizer
             return
         live = self._tensors.current()
         small = self._opt_key(opt, live)

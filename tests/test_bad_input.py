@@ -174,7 +174,7 @@ def test_nonfinite_raise(bad):
     m, opt = _trained()
     before = snapshot(m, opt)
     with pytest.raises(pu.UpdateError) as ei:
-        with pu.step(m, opt):
+        with pu.step(m, opt, on_nonfinite="raise"):
             m(torch.randn(4, 3)).sum().backward()
             line = _line()
             pu.assign(m.acc, torch.tensor([1.0, bad]))
@@ -188,7 +188,7 @@ def test_nonfinite_raise_names_the_first_few_of_many_and_counts_the_rest():
     m = pu.convert(nn.Sequential(*[nn.BatchNorm1d(2) for _ in range(10)]))
     before = snapshot(m)
     with pytest.raises(pu.UpdateError) as ei:
-        with pu.step(m):
+        with pu.step(m, on_nonfinite="raise"):
             m(torch.tensor([[float("nan"), 1.0], [2.0, 3.0]]))
     msg = str(ei.value)
     assert msg.count("(last update at ") == 5, msg
@@ -199,7 +199,7 @@ def test_nonfinite_raise_names_the_first_few_of_many_and_counts_the_rest():
 
 def test_nonfinite_raise_under_attach():
     m, opt = _trained()
-    att = pu.attach(m, opt)
+    att = pu.attach(m, opt, on_nonfinite="raise")
     before = snapshot(m, opt)
     m(torch.randn(4, 3)).sum().backward()
     line = _line()

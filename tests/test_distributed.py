@@ -238,7 +238,7 @@ def scen_nonfinite(rank, world):
     out["skip_synced"] = (s.skipped, s.skipped_steps, same(before, state_of(m)))
     # raise: both raise, the rank without NaN says another rank has one
     try:
-        with pu.step(m):
+        with pu.step(m, on_nonfinite="raise"):
             pu.assign(m.a, torch.ones(2), sync="mean")
             pu.assign(m.local, torch.full((2,), float("inf") if rank == 1 else 1.0))
         out["raise"] = None

@@ -308,6 +308,7 @@ def comm_counts(rank: int, world: int) -> dict:
         ("dimNone", False, ("unit_norm", None)),
         ("elementwise", False, ("clamp", None)),
         ("pending_stats", True, ("max_norm", 0)),
+        ("pending_stats_checked", True, ("max_norm", 0)),
         ("pending_synced_stats", "sync", ("max_norm", 0)),
     ]:
         clean()
@@ -318,7 +319,7 @@ def comm_counts(rank: int, world: int) -> dict:
         c = cfg(wd=True, ema=True, constraint=constraint)
         declare(model, c)
         opt = torch.optim.Adam(model.parameters(), lr=LR)
-        att = pu.attach(model, opt)
+        att = pu.attach(model, opt, **({"on_nonfinite": "skip"} if label.endswith("_checked") else {}))
         counts = []
         for s in range(2):
             x, y = batch(s, rank)
@@ -717,8 +718,8 @@ def test_collective_counts(training):
     Weight decay, EMA and elementwise constraints work on local shards: no collective. Row norms of a
     Shard(0) weight (dim=0) are local: none. Column or whole-tensor norms: one all-reduce of the
     sums of squares of every constrained tensor. Pending values (the batch norm's statistics) add
-    one all-reduce that lets every rank decide on non-finite values together; with sync_stats that
-    flag rides in the statistics' own all-reduce.
+    nothing by default (no finiteness check); with ``on_nonfinite=`` one all-reduce lets every rank
+    decide on non-finite values together; with sync_stats, the statistics' own all-reduce.
     """
     for rank, out in enumerate(ranks(training, "comm")):
         expect = {
@@ -726,7 +727,8 @@ def test_collective_counts(training):
             "dim1": {"allreduce_": 1},
             "dimNone": {"allreduce_": 1},
             "elementwise": {},
-            "pending_stats": {"allreduce_": 1},
+            "pending_stats": {},
+            "pending_stats_checked": {"allreduce_": 1},
             "pending_synced_stats": {"allreduce_": 1},
         }
         for label, want in expect.items():

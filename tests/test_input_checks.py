@@ -106,7 +106,7 @@ def test_wrong_argument_types_name_the_call():
 
 def test_with_stepper_names_the_with_line():
     m = Typed()
-    stepper = pu.Stepper(m)
+    stepper = pu.Stepper(m, on_nonfinite="raise")
     with pytest.raises(pu.UpdateError) as ei:
         with stepper:  # MARK: with stepper
             pu.assign(m.lin.bias, float("nan"), phase="after_grad")

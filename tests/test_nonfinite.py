@@ -104,10 +104,10 @@ def test_nonfinite_gradient_skips_the_whole_step(how):
 @pytest.mark.parametrize("how", ["step", "closure", "attach"])
 def test_nonfinite_gradient_raises_naming_the_parameter(how):
     m, opt, avg = _rules_model()
-    att = pu.attach(m, opt) if how == "attach" else None
+    att = pu.attach(m, opt, on_nonfinite="raise") if how == "attach" else None
     before = snapshot(m, opt, avg)
     with pytest.raises(pu.UpdateError) as ei:
-        _nan_grad_step(m, how, opt, att)
+        _nan_grad_step(m, how, opt, att, on_nonfinite="raise")
     msg = str(ei.value)
     assert "non-finite gradient of 'lin.weight'" in msg and "'lin.bias'" not in msg
     assert "on_nonfinite='skip'" in msg and "Nothing was written" in msg
@@ -126,7 +126,7 @@ def test_nonfinite_sparse_gradient_is_checked_too():
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     before = snapshot(m)
     with pytest.raises(pu.UpdateError, match="non-finite gradient of 'emb.weight'"):
-        with pu.step(m, opt):
+        with pu.step(m, opt, on_nonfinite="raise"):
             pu.assign_add(m.calls, 1)
             (m.emb(torch.tensor([1, 2])).sum() * float("nan")).backward()
     assert_same(before, snapshot(m))
@@ -146,7 +146,28 @@ def test_gradients_that_require_grad_are_checked_without_a_write():
     m.zero_grad(set_to_none=True)  # (breaks the parameter-gradient cycle create_graph makes)
 
 
-def test_nonfinite_gradient_with_check_finite_false_reaches_the_optimizer():
+@pytest.mark.parametrize("options", [{}, {"on_nonfinite": "raise", "check_finite": False}], ids=["default", "off"])
+def test_by_default_a_nonfinite_gradient_reaches_the_optimizer(options):
+    """No check unless asked (rule 7): what plain PyTorch does, with no host sync."""
     m, opt, _ = _rules_model()
-    _nan_grad_step(m, "step", opt, check_finite=False)
-    assert torch.isnan(m.lin.weight).any()  # what plain PyTorch does
+    _nan_grad_step(m, "step", opt, **options)
+    assert torch.isnan(m.lin.weight).any()
+
+
+@pytest.mark.parametrize("on_nonfinite", ["raise", "skip"])
+def test_the_check_reads_an_expanded_gradient_and_writes_nothing(on_nonfinite):
+    """An ``expand()``-ed gradient (stride 0; every torch optimizer accepts one): the opt-in check
+    reads it (GradScaler's kernel would write it back, and raise on the overlapping memory)."""
+    torch.manual_seed(0)
+    ref, m = nn.Linear(3, 2), nn.Linear(3, 2)
+    m.load_state_dict(ref.state_dict())
+    opt, ref_opt = torch.optim.SGD(m.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for net in (ref, m):
+        net.weight.grad = torch.tensor(0.5).expand(2, 3)
+        net.bias.grad = torch.ones(2)
+    ref_opt.step()
+    with pu.step(m, opt, on_nonfinite=on_nonfinite) as s:
+        pass
+    assert s.steps == 1 and not s.skipped
+    assert_same(snapshot(ref), snapshot(m))
+    assert m.weight.grad.stride() == (0, 0)

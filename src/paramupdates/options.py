@@ -8,14 +8,14 @@ from typing import Any, TypedDict
 
 from . import hooks
 
-NONFINITE = ("raise", "skip")
+NONFINITE = (None, "raise", "skip")
 
 
 class StepOptionsDict(TypedDict, total=False):
     """The keyword arguments of :class:`StepOptions` (``**options`` of ``pu.step`` and ``pu.attach``)."""
 
-    on_nonfinite: str
-    check_finite: bool
+    on_nonfinite: str | None
+    check_finite: bool | None
     copy_for_rollback: bool
     process_group: Any
     sync_timeout: float | datetime.timedelta | None
@@ -27,12 +27,18 @@ class StepOptions:
     """How a step commits.
 
     Attributes:
-        on_nonfinite: ``"raise"`` (an :class:`~paramupdates.UpdateError` naming the target or the
-            parameter, nothing written) or ``"skip"`` (drop the whole step, optimizer included, and
-            count it in ``skipped_steps``) when a pending value, or a gradient the optimizer would
-            use, is NaN or infinite (as ``torch.amp.GradScaler`` checks gradients).
-        check_finite: check pending values and the optimizer's gradients for NaN/inf at commit (one
-            batched reduction and one host sync per step); ``False`` skips the check.
+        on_nonfinite: ``None`` (the default): no finiteness check, and the commit never waits on the
+            device (validated commit, rule 7: shape, dtype kind, device and the rules' preconditions
+            are still checked, at no sync). Opt in, as ``optax.apply_if_finite`` and
+            ``torch.amp.GradScaler`` do: ``"raise"`` (an :class:`~paramupdates.UpdateError` naming
+            the target or the parameter, nothing written) or ``"skip"`` (drop the whole step,
+            optimizer included, and count it in ``skipped_steps``) when a pending value, or a
+            gradient the optimizer would use, is NaN or infinite: one batched check of both, one
+            host sync per step. With a ``scaler=`` the scaler's own ``found_inf`` decides for the
+            gradients (no second check of them).
+        check_finite: an older spelling: ``True`` checks as ``on_nonfinite="raise"`` does (unless
+            ``on_nonfinite`` says ``"skip"``), ``False`` turns the check off whatever
+            ``on_nonfinite`` says; ``None`` (the default): as ``on_nonfinite`` says.
         copy_for_rollback: before the commit writes while a fallible stage (the optimizer's step,
             a rule that runs user code) is still to come, copy what it writes and the optimizer's
             state, so that an exception there restores everything bitwise (validated commit,
@@ -56,8 +62,8 @@ class StepOptions:
             ``scaler.update()`` in the loop as usual instead.
     """
 
-    on_nonfinite: str = "raise"
-    check_finite: bool = True
+    on_nonfinite: str | None = None
+    check_finite: bool | None = None
     copy_for_rollback: bool = False
     process_group: Any = None
     sync_timeout: float | None = None
@@ -65,7 +71,14 @@ class StepOptions:
 
     def __post_init__(self) -> None:
         if self.on_nonfinite not in NONFINITE:
-            raise ValueError(f"on_nonfinite must be 'raise' or 'skip', not {self.on_nonfinite!r}")
+            raise ValueError(f"on_nonfinite must be None, 'raise' or 'skip', not {self.on_nonfinite!r}")
+        how = self.on_nonfinite
+        if self.check_finite is False:
+            how = None
+        elif self.check_finite is True and how is None:
+            how = "raise"
+        object.__setattr__(self, "on_nonfinite", how)
+        object.__setattr__(self, "check_finite", how is not None)  # (what the commit reads)
         if self.scaler is not None and not (
             callable(getattr(self.scaler, "step", None)) and callable(getattr(self.scaler, "update", None))
         ):

@@ -203,7 +203,7 @@ class Segment:
     def noted(self, parent: EagerLog | None = None) -> EagerLog:
         """Note the values shown now as the entry values, and this thread's steps; return the eager log."""
         replay = state.local.replay  # (a segment inside a recomputation: that replay's steps)
-        self.explicit = replay.explicit if replay is not None else list(reversed(state.local.explicit))
+        self.explicit = replay.explicit if replay is not None else list(reversed(routing.explicit()))
         self.values = entry_values()
         self.log = EagerLog(parent)
         return self.log

@@ -16,7 +16,8 @@ def reset() -> None:
     """
     for att in list(routing.attachments()):
         att.detach()
-    for j in routing.live_journals(routing.PROCESS) + [j for j in routing.explicit() if j not in state.process.steps]:
+    journals = routing.live_journals(routing.PROCESS)
+    for j in journals + [j for j in routing.explicit() if j not in journals]:
         j.discard()  # (every thread's: a test's threads are gone)
     state.reset()
     base.clear()

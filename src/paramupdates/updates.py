@@ -149,8 +149,10 @@ def issue_computed(
 def _route(t: torch.Tensor, origin: Any, op: str, how: Lookup) -> tuple[Any, Any]:
     """``routing.journal_of``, and the error for a target that a step of this thread cannot own."""
     j, e = routing.journal_of(t, origin, op, how)
-    if j is None and _local.explicit:
-        _refuse_foreign(_local.explicit[-1], t, origin, op)
+    if j is None:
+        steps = routing.explicit()
+        if steps:
+            _refuse_foreign(steps[-1], t, origin, op)
     return j, e
 
 

@@ -43,6 +43,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.amp.grad_scaler import OptState
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from .. import hooks, overlay, routing, sharding
@@ -132,6 +133,12 @@ class Commit:
         self.state = "begun"
         self._refuse_unwritable()
         self._take_rules()
+        if self._scaler_overflowed():
+            # a scaled gradient overflowed: the scaler's business (torch.amp.GradScaler semantics)
+            self.skipped = True
+            self._end("done")
+            self._scaler_skip()
+            return False
         params, grads = self._grads_to_check()
         sharded = j.any_sharded or sharding.any_sharded(grads)
         remote_bad, agreed = self._reduce_synced(grads, sharded)
@@ -179,9 +186,9 @@ class Commit:
     def _grads_to_check(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The parameters and gradients the optimizer will use, when finiteness is checked: they are
         checked with the pending values (validated commit, rule 7), as ``torch.amp.GradScaler`` does."""
-        if self.options.check_finite and self.optimizer is not None:
+        if self.options.check_finite and self.optimizer is not None and self._scaler() is None:
             return optimizer_grads(self.optimizer)
-        return [], []
+        return [], []  # (with a scaler, its found_inf decided: no second check)
 
     def _reduce_synced(self, grads: list[torch.Tensor], sharded: bool) -> tuple[int, bool]:
         """Rule 9: reduce the synced values across ranks; the other ranks' finiteness of their unsynced
@@ -223,12 +230,6 @@ class Commit:
         the step; or an :class:`UpdateError` naming the non-finite targets or gradients."""
         j, opts = self.journal, self.options
         bad, bad_grads = nonfinite(j, self._rows_grouped(), grads, sharded)
-        if bad_grads and not bad and not remote_bad and self._scaler() is not None:
-            # a scaled gradient overflowed: the scaler's business (torch.amp.GradScaler semantics)
-            self.skipped = True
-            self._end("done")
-            self._scaler_skip()
-            return False
         if not (bad or bad_grads or remote_bad):
             return True
         if opts.on_nonfinite == "skip":
@@ -263,6 +264,18 @@ class Commit:
         if scaler is None or self.optimizer is None or not scaler.is_enabled():
             return None
         return scaler
+
+    def _scaler_overflowed(self) -> bool:
+        """With a ``scaler=``: whether the scaled gradients overflowed, as the scaler itself decides
+        (``scaler.unscale_(optimizer)``, then its ``found_inf``: one host sync, the one
+        ``scaler.step`` makes anyway; ``scaler.step`` then reuses the unscaled gradients)."""
+        scaler = self._scaler()
+        if scaler is None:
+            return False
+        opt = self.optimizer
+        if scaler._per_optimizer_states[id(opt)]["stage"] is OptState.READY:
+            scaler.unscale_(opt)
+        return bool(sum(v.item() for v in scaler._found_inf_per_device(opt).values()))
 
     def _scaler_skip(self) -> None:
         """A skipped step under a scaler: ``scaler.step`` finds the overflow and leaves the optimizer

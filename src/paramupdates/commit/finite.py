@@ -96,33 +96,17 @@ def _dense(g: torch.Tensor) -> torch.Tensor:
 
 
 def _grads_finite(grads: list[torch.Tensor], sharded: bool) -> list[torch.Tensor]:
-    """Per device and dtype of ``grads``, a 0-dim bool on the CPU: all finite. GradScaler's check,
-    ``torch._amp_foreach_non_finite_check_and_unscale_`` (one kernel per group on an accelerator; no
-    copy), with a scale of 1: every value is written back as it is. Gradients that require grad
-    (``create_graph=True``) or are complex get :func:`_group_finite` instead, which writes nothing."""
+    """Per device and dtype of ``grads``, a 0-dim bool on the CPU: all finite. The gradients are read,
+    never written (``torch._amp_foreach_non_finite_check_and_unscale_``, GradScaler's kernel, writes
+    every value back: an ``expand()``-ed gradient, which every torch optimizer accepts, would make it
+    raise); sparse gradients are checked by their values."""
     gs = sharding.locals_of(grads) if sharded else grads
-    if not torch.compiler.is_compiling() and not any(map(_requires_grad, gs)):
-        # one call for all (the common case: one device), grouped only if it refuses them
-        dev = gs[0].device
-        found = torch.zeros(1, device=dev)
-        try:
-            torch._amp_foreach_non_finite_check_and_unscale_(gs, found, torch.ones(1, device=dev))
-        except RuntimeError:
-            pass  # several devices, complex or sparse values: by group below
-        else:
-            return [found.eq(0).reshape(()).cpu()]
     if any(layout is not torch.strided for layout in set(map(_layout_of, gs))):
         gs = list(map(_dense, gs))
     out = []
-    for (dev, dt), ([ts], _) in _group_tensors_by_device_and_dtype([gs]).items():
-        if not (dt.is_floating_point or dt.is_complex):
-            continue
-        if dt.is_complex or any(map(_requires_grad, ts)):
+    for (_dev, dt), ([ts], _) in _group_tensors_by_device_and_dtype([gs]).items():
+        if dt.is_floating_point or dt.is_complex:
             out.append(group_finite(ts).cpu())
-            continue
-        found = torch.zeros(1, device=dev)
-        torch._amp_foreach_non_finite_check_and_unscale_(ts, found, torch.ones(1, device=dev))
-        out.append(found.eq(0).reshape(()).cpu())
     return out
 
 

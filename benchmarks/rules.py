@@ -17,10 +17,10 @@ variants interleaved, the order rotating, ratios paired round by round; median
 and range over the rounds, and the ratio of the minima):
 
 * ``pu (default)``: one ``pu.Stepper`` commit (the rules run inside it) at
-  default settings (no copies); ``pu (copy_for_rollback)``: the same with
-  ``copy_for_rollback=True``, for its cost; ``pu (check_finite=False)``: without the
-  finiteness checks (of the pending values and the optimizer's gradients), to be read
-  against ``foreach``: what pu adds when it validates no values;
+  default settings (no copies, no finiteness check: no host sync); ``pu (copy_for_rollback)``:
+  the same with ``copy_for_rollback=True``, for its cost; ``pu (on_nonfinite)``: with the
+  opt-in finiteness check (``on_nonfinite="skip"``: the pending values and the optimizer's
+  gradients, one sync), to be read against ``foreach + checks``;
 * ``loop``: a hand-written per-parameter Python loop (the Keras formula per tensor);
 * ``foreach`` (the reference): bare ``torch._foreach_*`` calls on precomputed
   lists (on CPU the row norms of max_norm as pu computes them there, since
@@ -31,10 +31,8 @@ and range over the rounds, and the ratio of the minima):
   rules touch, one over the decayed weights' gradients, and the finiteness check of
   every gradient the optimizer will use with ``torch.amp.GradScaler``'s own kernel
   (``torch._amp_foreach_non_finite_check_and_unscale_``, one call, one host sync):
-  the least that a commit which validates before writing (validated commit (rule 7),
-  docs/design.md) adds, i.e. the floor of pu / foreach. The gradient check alone is
-  15-25 % of ``foreach`` here, so the goal below is out of reach of any validating
-  commit at these sizes; ``pu / floor`` is what paramupdates adds beyond that work.
+  the least that a commit which checks finiteness before writing (validated commit,
+  rule 7, opt in) adds, i.e. the floor of ``pu (on_nonfinite) / foreach``.
 
 Part A isolates the rules: the optimizer's ``step`` does nothing (so the time is
 the rules plus what pu adds). Part B adds a real ``SGD(foreach=True)`` step to
@@ -95,13 +93,13 @@ def setup(size: str, real_opt: bool, device: torch.device):
     return model, opt
 
 
-def pu_variant(size: str, real_opt: bool, device: torch.device, copy: bool, check_finite: bool = True):
+def pu_variant(size: str, real_opt: bool, device: torch.device, copy: bool, on_nonfinite: str | None = None):
     model, opt = setup(size, real_opt, device)
     weights = [p for p in model.parameters() if p.ndim == 2]
     pu.weight_decay(model, WD)
     pu.constrain(weights, pu.max_norm(MAX))
     pu.ema(model, DECAY)
-    stepper = pu.Stepper(model, opt, copy_for_rollback=copy, check_finite=check_finite)
+    stepper = pu.Stepper(model, opt, copy_for_rollback=copy, on_nonfinite=on_nonfinite)
 
     def run():
         with stepper:
@@ -188,7 +186,7 @@ def foreach_variant(size: str, real_opt: bool, device: torch.device, checked: bo
     return run, model
 
 
-VARIANTS = ("pu (default)", "pu (copy_for_rollback)", "pu (check_finite=False)", "loop", "foreach", "foreach + checks")
+VARIANTS = ("pu (default)", "pu (copy_for_rollback)", "pu (on_nonfinite)", "loop", "foreach", "foreach + checks")
 
 
 def bench(size: str, real_opt: bool, rounds: int, iters: int, device: torch.device = CPU) -> dict[str, list[float]]:
@@ -196,7 +194,7 @@ def bench(size: str, real_opt: bool, rounds: int, iters: int, device: torch.devi
     makers = {
         "pu (default)": lambda: pu_variant(size, real_opt, device, False),
         "pu (copy_for_rollback)": lambda: pu_variant(size, real_opt, device, True),
-        "pu (check_finite=False)": lambda: pu_variant(size, real_opt, device, False, check_finite=False),
+        "pu (on_nonfinite)": lambda: pu_variant(size, real_opt, device, False, on_nonfinite="skip"),
         "loop": lambda: loop_variant(size, real_opt, device),
         "foreach": lambda: foreach_variant(size, real_opt, device),
         "foreach + checks": lambda: foreach_variant(size, real_opt, device, checked=True),
@@ -233,11 +231,10 @@ def rows(
                     "ratio": r,
                     "goal": GOALS[size],
                     "note": f"ratio of minima {r.of_min:.3f}; {ms(r.s)} vs {ms(f)} ms; "
-                    f"floor (foreach + checks) {med['foreach + checks'] / f:.3f}, "
-                    f"pu / floor {ratios(t, 'pu (default)', 'foreach + checks').median:.3f}; "
-                    f"copy_for_rollback {med['pu (copy_for_rollback)'] / f:.3f}; "
-                    f"check_finite=False {ratios(t, 'pu (check_finite=False)', 'foreach').median:.3f}; "
-                    f"loop {med['loop'] / f:.3f}",
+                    f"loop {med['loop'] / f:.3f}; "
+                    f"on_nonfinite='skip' {ratios(t, 'pu (on_nonfinite)', 'foreach').median:.3f} "
+                    f"(its floor, foreach + checks: {med['foreach + checks'] / f:.3f}); "
+                    f"copy_for_rollback {med['pu (copy_for_rollback)'] / f:.3f}",
                 }
             )
     return out
@@ -254,14 +251,12 @@ def report(title: str, times: dict[str, list[float]]) -> None:
         "kernels reaches here)"
     )
     print(
-        f"  floor: (foreach + checks) / foreach = {med['foreach + checks'] / med['foreach']:5.3f}x (the least a commit "
-        "that validates before writing adds, rule 7)"
+        f"  floor of the opt-in check: (foreach + checks) / foreach = {med['foreach + checks'] / med['foreach']:5.3f}x "
+        "(the least a commit that checks finiteness before writing adds, rule 7)"
     )
-    r = ratios(times, "pu (default)", "foreach + checks")
-    print(
-        f"  default           : pu / floor   = {r.median:5.3f}x (range {r.spread()}): what paramupdates adds beyond the checks"
-    )
-    for name in ("default", "copy_for_rollback", "check_finite=False"):
+    r = ratios(times, "pu (on_nonfinite)", "foreach + checks")
+    print(f"  on_nonfinite      : pu / floor   = {r.median:5.3f}x (range {r.spread()}): what pu adds beyond the check")
+    for name in ("default", "copy_for_rollback", "on_nonfinite"):
         r = ratios(times, f"pu ({name})", "foreach")
         print(
             f"  {name:<18}: pu / foreach = {r.median:5.3f}x (range {r.spread()}, ratio of minima {r.of_min:5.3f})   "

@@ -6,8 +6,8 @@ statistics in place in forward; ``loss.backward(); opt.step()``) against the
 same model with update-safe batch norm whose 63 statistics updates per step
 go through a ``pu.step`` transaction (recorded, validated, snapshotted,
 committed with foreach kernels; default settings: no rollback copy) or through
-``pu.attach`` (an unchanged loop); also ``pu.step(check_finite=False)`` (no
-finiteness check, so no host sync per step), for reference. Same weights, same
+``pu.attach`` (an unchanged loop); also ``pu.step(on_nonfinite="skip")`` (the opt-in
+finiteness check, one host sync per step), for its cost. Same weights, same
 data. On CPU each row also shows where the difference lies (forward, backward,
 commit against ``opt.step()``; not on an accelerator, where reading a clock
 mid-step would need a synchronization that changes the step).
@@ -129,7 +129,7 @@ def run(device: torch.device = CPU, repeats: int = 9, steps: int = 2) -> list[di
         "eager": eager_step(m_eager, o_eager, x, y, parts.get("eager")),
         "pu.step": pu_step(m_step, o_step, x, y, parts.get("pu.step")),
         "pu.attach": eager_step(m_att, o_att, x, y, parts.get("pu.attach")),
-        "pu.step(check_finite=False)": pu_step(m_fast, o_fast, x, y, check_finite=False),
+        "pu.step(on_nonfinite='skip')": pu_step(m_fast, o_fast, x, y, on_nonfinite="skip"),
     }
     try:
         times = interleaved(variants, repeats=repeats, steps=steps)
@@ -141,7 +141,7 @@ def run(device: torch.device = CPU, repeats: int = 9, steps: int = 2) -> list[di
     for name, goal in (
         ("pu.step", 1.03),
         ("pu.attach", 1.03),
-        ("pu.step(check_finite=False)", None),
+        ("pu.step(on_nonfinite='skip')", None),
     ):
         r = ratios(times, name, "eager")
         rows.append(

@@ -25,10 +25,13 @@ class Counter(nn.Module):
         return y * self.scale
 
 
-def trained_counter(steps=2):
-    """A Counter and its AdamW after ``steps`` committed steps (optimizer state exists)."""
+def trained_counter(steps=2, weight_decay=0.01):
+    """A Counter and its AdamW after ``steps`` committed steps (optimizer state exists).
+
+    ``weight_decay=0.0`` for a test that declares ``pu.weight_decay`` (decaying in both is refused).
+    """
     m = Counter()
-    opt = torch.optim.AdamW(m.parameters(), lr=0.01)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=weight_decay)
     for _ in range(steps):
         with pu.step(m, opt):
             m(torch.randn(4, 3)).sum().backward()

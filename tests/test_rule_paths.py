@@ -91,3 +91,60 @@ def test_the_paths_really_differ_in_how_they_run(monkeypatch):
     with pu.step(m, opt):
         m(torch.randn(2, 3)).sum().backward()
     assert calls
+
+
+# --- the math itself: each rule's _single_tensor_ and _multi_tensor_ functions, side by side ------------
+def _tensors(dtypes=(torch.float32, torch.float64, torch.bfloat16), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(3, 4), (5,), (2, 3, 2), (), (7, 1)]
+    return [torch.randn(s, generator=g).to(dt) for dt in dtypes for s in shapes]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_weight_decay_functions_are_bitwise_equal(dtype):
+    from paramupdates.rules.weight_decay import (
+        _multi_tensor_weight_decay,
+        _single_tensor_weight_decay,
+        factors_for,
+    )
+
+    ts = _tensors((dtype,))
+    factors = [1.0 - 0.05 * r for r in (0.1, 0.2, 0.0, 0.5, 0.01)]
+    single, multi = [t.clone() for t in ts], [t.clone() for t in ts]
+    _single_tensor_weight_decay(single, factors)
+    _multi_tensor_weight_decay([(multi, factors_for(torch.device("cpu"), dtype, factors))])
+    assert_same(snapshot(*single), snapshot(*multi))
+    assert not torch.equal(single[0], ts[0])  # (it did something)
+
+
+def test_ema_functions_are_bitwise_equal():
+    from paramupdates.rules.ema import _multi_tensor_ema, _single_tensor_ema
+
+    src = _tensors((torch.float32,), 1) + [torch.arange(3)]  # a floating group and an integer buffer
+    avg32 = _tensors((torch.float32,), 2) + [torch.zeros(3, dtype=torch.long)]
+    avg64 = [t.double() if t.is_floating_point() else t for t in avg32]  # a float64 copy: mixed dtypes
+    averaged = [t.is_floating_point() for t in src]
+    for avg in (avg32, avg64):
+        single, multi = [a.clone() for a in avg], [a.clone() for a in avg]
+        _single_tensor_ema(single, src, averaged, 0.1)
+        fl = [i for i, a in enumerate(averaged) if a]
+        pairs = ([multi[i] for i in fl], [src[i] for i in fl])
+        same = avg is avg32
+        _multi_tensor_ema([pairs] if same else [], [] if same else [pairs], [([multi[-1]], [src[-1]])], [], 0.1)
+        assert_same(snapshot(*single), snapshot(*multi))
+        assert torch.equal(single[-1], src[-1])
+
+
+@pytest.mark.parametrize(
+    "constraint", [pu.max_norm(0.5), pu.unit_norm(dim=None), pu.min_max_norm(0.2, 0.6, 0.5), pu.non_neg()], ids=repr
+)
+@pytest.mark.parametrize("norms", ["each", "concat", "segments"])
+def test_constraint_functions_agree(constraint, norms):
+    from paramupdates.rules.constraints import _multi_tensor_constraint, _single_tensor_constraint
+
+    ts = [t for t in _tensors((torch.float32, torch.float64)) if t.ndim]
+    single, multi = [t.clone() for t in ts], [t.clone() for t in ts]
+    _single_tensor_constraint(constraint, single, [str(i) for i in range(len(ts))], "here")
+    _multi_tensor_constraint(constraint, multi, constraint.plan(multi, norms))
+    for a, b in zip(single, multi):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)  # (the norms' rounding)

@@ -2,7 +2,6 @@
 
 import copy
 import inspect
-import warnings
 
 import pytest
 import torch
@@ -170,17 +169,20 @@ def test_only_parameters_the_optimizer_updates_are_decayed():
     assert torch.equal(m[2].weight, w2) and torch.equal(extra.weight, we)
 
 
-def test_double_decay_warns_once():
+@pytest.mark.parametrize("opt_cls", [torch.optim.SGD, torch.optim.AdamW, torch.optim.Adam])
+def test_a_group_that_decays_by_itself_is_refused(opt_cls):
+    """Its own weight_decay and pu.weight_decay on the same parameters would decay them twice (SGD's
+    coupled L2 or AdamW's decoupled decay, whichever): refused before anything is written."""
     m = _net()
-    opt = torch.optim.SGD(m.parameters(), lr=0.1, weight_decay=1e-3)
+    opt = opt_cls(m.parameters(), lr=0.1, weight_decay=1e-3)
     pu.weight_decay(m, 0.1)
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
-        for _ in range(3):
-            _zero_grad_step(m, opt)
-    msgs = [str(x.message) for x in w if "decayed twice" in str(x.message)]
-    assert len(msgs) == 1
-    assert "'0.weight'" in msgs[0] and "weight_decay=0" in msgs[0]
+    before = snapshot(m, opt)
+    with pytest.raises(pu.UpdateError) as ei:
+        _zero_grad_step(m, opt)
+    msg = str(ei.value)
+    assert "'0.weight'" in msg and "weight_decay=0" in msg and "decayed twice" in msg
+    assert f"{opt_cls.__name__}(weight_decay=...)" in msg and "test_weight_decay.py" in msg
+    assert_same(before, snapshot(m, opt))
 
 
 @pytest.mark.parametrize("how", ["one_step", "micro_steps", "attach"])
@@ -299,3 +301,102 @@ def test_where_pytorch_is_wrong_cpu_foreach_mul_rounds_the_scalar_in_bfloat16():
     pu.weight_decay(m, 1e-3)
     _zero_grad_step(m, opt)
     assert torch.equal(m.w.detach().view(-1), by_mul)
+
+
+# --- the optimizer's own kernel: where the optimizer has the same update built in ----------------------
+def _kernel_case(opt_name, impl, dtype, steps=3):
+    """``opt_name`` + ``pu.weight_decay(exclude=None)`` against the same optimizer with its decoupled
+    decay set (AdamW; Adam/NAdam/RAdam with decoupled_weight_decay=True), through ``pu.step``."""
+    torch.manual_seed(0)
+    ref = _net().to(dtype)
+    m = copy.deepcopy(ref)
+    kw = {"foreach": impl == "foreach", "fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
+    if impl == "fused":
+        kw.pop("foreach")
+    cls = getattr(torch.optim, opt_name)
+    decoupled = {} if opt_name == "AdamW" else {"decoupled_weight_decay": True}
+    ref_opt = cls(ref.parameters(), lr=0.05, weight_decay=0.1, **decoupled, **kw)
+    opt = cls(m.parameters(), lr=0.05, weight_decay=0.0, **kw)
+    pu.weight_decay(m, 0.1, exclude=None)
+    for x in _data(steps):
+        x = x.to(dtype)
+        _loss(ref, x).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        with pu.step(m, opt) as s:
+            _loss(m, x).backward()
+        opt.zero_grad()
+        assert all(g["weight_decay"] == 0.0 for g in opt.param_groups)  # its own settings, restored
+        if opt_name != "AdamW":
+            assert all(g["decoupled_weight_decay"] is False for g in opt.param_groups)
+    assert_same(snapshot(ref), snapshot(m))
+    return s
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("impl", ["fused", "foreach", "for-loop"])
+def test_adam_fused_with_pu_weight_decay_is_adamw_fused_bitwise(impl, dtype):
+    """The decay runs in the optimizer's own kernel (one pass over memory): ``Adam(fused=True)`` +
+    ``pu.weight_decay`` is ``AdamW(fused=True)`` bitwise in bfloat16 too (a separate pass rounds once
+    more), and the schedule still shows the rule in its phase."""
+    s = _kernel_case("Adam", impl, dtype)
+    assert [(r.phase, r.op) for r in s.schedule()][:2] == [("before_grad", "weight_decay"), ("grad", "Adam.step")]
+
+
+@pytest.mark.parametrize("opt_name", ["AdamW", "NAdam", "RAdam"])
+def test_the_other_decoupled_optimizers_decay_in_their_own_kernel(opt_name):
+    _kernel_case(opt_name, "foreach", torch.bfloat16)
+
+
+def test_the_optimizers_settings_are_restored_when_its_step_raises():
+    m = _net()
+    opt = torch.optim.Adam(m.parameters(), lr=0.1)
+    pu.weight_decay(m, 0.1, exclude=None)
+    att = pu.attach(m, opt)
+    _loss(m, torch.randn(4, 5)).backward()
+    opt.param_groups[0]["betas"] = "broken"  # Adam raises inside its step
+    with pytest.raises(Exception):  # noqa: B017 - whatever Adam raises
+        opt.step()
+    g = opt.param_groups[0]
+    assert g["weight_decay"] == 0.0 and g["decoupled_weight_decay"] is False
+    att.detach()
+
+
+def test_groups_the_rule_does_not_cover_whole_take_the_separate_pass():
+    """The default exclude skips biases, which Adam's one group steps too: the group cannot decay by
+    itself, so pu's pass decays the weights (bitwise the hand-written decoupled decay, then Adam)."""
+    torch.manual_seed(0)
+    ref = _net()
+    m = copy.deepcopy(ref)
+    ref_opt, opt = torch.optim.Adam(ref.parameters(), lr=0.05), torch.optim.Adam(m.parameters(), lr=0.05)
+    pu.weight_decay(m, 0.1)
+    for x in _data(3):
+        _loss(ref, x).backward()
+        with torch.no_grad():
+            for p in (ref[0].weight, ref[2].weight):
+                p.mul_(1 - 0.05 * 0.1)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        with pu.step(m, opt):
+            _loss(m, x).backward()
+            assert opt.param_groups[0]["weight_decay"] == 0.0
+        opt.zero_grad()
+    assert_same(snapshot(ref), snapshot(m))
+
+
+def test_a_before_grad_update_of_a_decayed_parameter_keeps_the_order():
+    """Rules come first in their phase: a ``phase="before_grad"`` update of a parameter the optimizer
+    would decay in its kernel sees the decayed value, so that step decays it in pu's own pass."""
+    torch.manual_seed(0)
+    m = _net()
+    opt = torch.optim.Adam(m.parameters(), lr=0.05)
+    pu.weight_decay(m, 0.1, exclude=None)
+    w = m[0].weight
+    with pu.step(m, opt):
+        _loss(m, torch.randn(4, 5)).backward()
+        pu.assign(w, torch.zeros_like(w), phase="before_grad")
+        expect_before_adam = torch.zeros_like(w)  # decayed first, then assigned: zero
+    ref = torch.nn.Parameter(expect_before_adam)
+    ref.grad = w.grad.clone()
+    torch.optim.Adam([ref], lr=0.05).step()
+    assert torch.equal(bits(w), bits(ref))

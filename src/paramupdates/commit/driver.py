@@ -322,7 +322,7 @@ class Commit:
             if any(id(row.target) in written for row in j.rows):
                 j.absorb()
         if self.rules:
-            ctx = CommitContext(self.optimizer, self.journal.index)
+            ctx = CommitContext(self.optimizer, self.journal.index, self.journal)
             if self.ruleset is not None:
                 self.ruleset.check(self.rules, ctx)
             else:
@@ -383,10 +383,16 @@ class Commit:
     def optimizer_stepped(self) -> None:
         """The optimizer's step is behind us (called by :meth:`run_optimizer`, or under attach by the
         optimizer's post-hook)."""
+        self._optimizer_done()
         if self.optimizer is not None:
             self.rollback.stage_done(True)
         self.journal.done_phases.add(GRAD)
         self.state = "stepped"
+
+    def _optimizer_done(self) -> None:
+        """What the rules lent the optimizer for its step goes back (after it, or after a failure)."""
+        for rule in self.rules:
+            rule.optimizer_done()
 
     def finish(self) -> None:
         """Phases ``after_grad``, ``auxiliary`` and ``after_step``; the commit is done."""
@@ -400,6 +406,7 @@ class Commit:
         or keep it and say so on ``exc``."""
         self.journal.hide()
         self.restore_grads()
+        self._optimizer_done()
         if self.state in ("begun", "checked", "stepped"):
             if self.rollback.enabled:
                 self.rollback.restore()  # the copies, the optimizer's state, the rules' state
@@ -487,7 +494,7 @@ class Commit:
         rb = self.rollback
         rules = [r for r in self.rules if r.phase == phase]
         if rules:
-            ctx = CommitContext(self.optimizer, self.journal.index)
+            ctx = CommitContext(self.optimizer, self.journal.index, self.journal)
             with torch.no_grad():
                 for rule in rules:
                     written = rule.tensors()

@@ -30,6 +30,7 @@ import torch
 from .. import hooks, sharding, state
 from ..errors import UpdateError, listed
 from ..origin import call_site
+from ..phases import BEFORE_GRAD
 from ..schedule import ScheduleEntry
 from .common import has_subclass, storage_key
 
@@ -40,12 +41,24 @@ _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 class CommitContext:
-    """What rules see at commit: the optimizer, the model index, the learning rate of a parameter."""
+    """What rules see at commit: the optimizer, the model index, the learning rate of a parameter,
+    the targets that updates issued with ``phase="before_grad"`` write in this step."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer | None, index: ModelIndex) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer | None, index: ModelIndex, journal: Any = None) -> None:
         self.optimizer = optimizer
         self.index = index
+        self.journal = journal
         self._lr: dict[int, float | None] | None = None
+        self._before: set[int] | None = None
+
+    def before_grad_targets(self) -> set[int]:
+        """``id()`` of the targets with updates issued in phase ``before_grad`` this step (held by the
+        journal until its commit ends)."""
+        if self._before is None:
+            j = self.journal
+            entries = j.by_phase.get(BEFORE_GRAD, ()) if j is not None else ()
+            self._before = {id(e.target) for e in entries}
+        return self._before
 
     def lr_of(self, p: torch.Tensor) -> float | None:
         """The learning rate of ``p``'s optimizer param group (None if not in it)."""
@@ -212,6 +225,10 @@ class Rule:
 
     def restore(self, saved: Any) -> None:
         """Restore what :meth:`save` returned (also called to release what a failed commit held)."""
+
+    def optimizer_done(self) -> None:
+        """The optimizer's step that follows this rule's phase is over, or failed: give back what
+        :meth:`apply` lent it (``pu.weight_decay`` sets a param group's own decay for one step)."""
 
 
 # --- the registry -----------------------------------------------------------

@@ -54,20 +54,17 @@ from .. import sharding
 from ..errors import UpdateError
 from ..origin import call_site
 from ..phases import AFTER_GRAD
-from .base import Rule, register
+from .base import register
 from .common import (
-    OnTensorList,
-    WeakList,
     adopt_known,
     check_declared,
-    has_subclass,
     named_tensors,
     no_subclass,
     plain_if,
     refuse_inside_step,
-    storage_key,
     where,
 )
+from .declared import DeclaredRule
 
 if TYPE_CHECKING:
     from .base import CommitContext
@@ -424,7 +421,50 @@ def clamp(min: float | None = None, max: float | None = None) -> Clamp:  # noqa:
     return Clamp(min, max)
 
 
-class Constrain(OnTensorList, Rule):
+def _single_tensor_constraint(c: Constraint, ts: list[torch.Tensor], names: list[str], origin: str) -> None:
+    """``t <- c(t)`` tensor by tensor (the Keras formula, out of place; a user callable's only path).
+    Every new value is computed and validated first, then written: a failure writes nothing."""
+    news = []
+    with no_subclass():
+        for t, name in zip(ts, names):
+            try:
+                new = c(t.detach())
+            except Exception as exc:
+                raise UpdateError(
+                    f"constraint {c.name!r} (declared at {origin}) raised on {name!r}: "
+                    f"{type(exc).__name__}: {exc}. Nothing of this constraint was written."
+                ) from exc
+            if (
+                not isinstance(new, torch.Tensor)
+                or new.shape != t.shape
+                or new.device != t.device
+                or (new.is_floating_point() and not t.is_floating_point())
+            ):
+                got = where(new) if isinstance(new, torch.Tensor) else type(new).__name__
+                raise UpdateError(
+                    f"constraint {c.name!r} (declared at {origin}) returned {got} for {name!r} "
+                    f"({where(t)}): a constraint must return a tensor of the same shape and device. "
+                    "Nothing of this constraint was written."
+                )
+            news.append(new)
+        for t, new in zip(ts, news):
+            if new is t:
+                continue
+            if sharding.is_sharded(t):  # the value laid out like t, then written shard onto shard
+                from ._sharded import like
+
+                sharding.local(t).copy_(sharding.local(like(t, new)))
+            else:
+                t.copy_(new)
+
+
+def _multi_tensor_constraint(c: Constraint, ts: list[torch.Tensor], plan: Any) -> None:
+    """``t <- c(t)`` for every tensor, in place, per device, dtype and rank (``c.apply_``: the norms of a
+    group, its factors in one pass, one ``torch._foreach_mul_``)."""
+    c.apply_(ts, plan)
+
+
+class Constrain(DeclaredRule):
     """A constraint declared on some tensors (phase ``after_grad``)."""
 
     phase = AFTER_GRAD
@@ -446,31 +486,13 @@ class Constrain(OnTensorList, Rule):
         self.foreach = foreach and not isinstance(constraint, CallableConstraint)
         self.kind = f"constrain:{constraint.name}"
         self.infallible = constraint.infallible
-        self.names = [n for n, _ in named]
         # declared on a module: follows its parameters by name (e.g. into fully_shard's DTensors)
-        self._tensors = WeakList([t for _, t in named], root, self.names if root is not None else None)
-        self._key: tuple | None = None
-        self._plan: Any = None
-        self._live: list[torch.Tensor] = []
-        self._sub = has_subclass([t for _, t in named])
+        self.hold(named, root)
         # DTensors (FSDP2): positions constrained on their local shards (the foreach plan is over those
         # shards), and positions whose norms reduce over a sharded dim (rules/_sharded.py)
         self._sharded = False
         self._local_idx: list[int] = []
         self._reduce_idx: list[int] = []
-
-    def owner_tensors(self) -> list[torch.Tensor]:
-        return self._tensors.live()
-
-    def resync(self) -> None:
-        if self._tensors.resync():
-            self._key = None  # another tensor in a slot: plan again
-
-    def tensors(self) -> list[torch.Tensor]:
-        return self._live or self._tensors.live()  # during a commit: the tensors check() saw
-
-    def alive(self) -> bool:
-        return self._tensors.alive()
 
     def same_kind(self) -> Any:
         return ("constrain", self.constraint.same_kind())
@@ -487,94 +509,41 @@ class Constrain(OnTensorList, Rule):
         self._live = []
         return not keep
 
-    def check(self, ctx: CommitContext) -> None:
-        ts = self._tensors.live()
-        key = storage_key(ts, self._sub)
-        if key != self._key:
-            # storage changed (model.to(), p.data = ...): validate again before anything is written
-            with no_subclass():
-                for t, name in zip(ts, self.names):
-                    self.constraint.validate(ctx.index.name_of(t) or name, t, self.origin)
-                self._sharded = sharding.any_sharded(ts) and not isinstance(self.constraint, CallableConstraint)
-                if self._sharded:
-                    from ._sharded import split_norms
+    def make_plan(self, ctx: CommitContext, live: list[Any]) -> Any:
+        """Storage changed (the first commit, ``model.to()``, ``p.data = ...``): validate again before
+        anything is written, and group for the foreach path."""
+        ts = [t for t in live if t is not None]
+        with no_subclass():
+            for t, name in zip(ts, self.names):
+                self.constraint.validate(ctx.index.name_of(t) or name, t, self.origin)
+            self._sharded = sharding.any_sharded(ts) and not isinstance(self.constraint, CallableConstraint)
+            if self._sharded:
+                from ._sharded import split_norms
 
-                    # which norms are local (kept dim sharded, or nothing sharded) is decided on the global
-                    # layout, the same on every rank, so every rank joins the same collectives
-                    self._local_idx, self._reduce_idx = split_norms(self.constraint, ts, ctx.index, self.origin)
-                    local = sharding.locals_of([ts[i] for i in self._local_idx])
-                    self._plan = self.constraint.plan(local, self.norms)
-                else:
-                    self._plan = self.constraint.plan(ts, self.norms) if self.foreach else None
-            self._key = key
-        self._live = ts  # held for this commit only
+                # which norms are local (kept dim sharded, or nothing sharded) is decided on the global
+                # layout, the same on every rank, so every rank joins the same collectives
+                self._local_idx, self._reduce_idx = split_norms(self.constraint, ts, ctx.index, self.origin)
+                return self.constraint.plan(sharding.locals_of([ts[i] for i in self._local_idx]), self.norms)
+            return self.constraint.plan(ts, self.norms) if self.foreach else None
 
-    def restore(self, saved: Any) -> None:
-        self._live = []  # a failed commit: hold nothing past it
-
-    def fingerprint(self) -> list[torch.Tensor] | None:
-        return self._live or None
-
-    def revalidate(self, ctx: CommitContext, held: list[torch.Tensor]) -> bool:
-        if self._key is None:
-            return False
-        self._live = held  # the plan depends on the storage alone, which the caller checked
-        return True
-
-    def apply(self, ctx: CommitContext) -> None:
+    def run(self, ctx: CommitContext, live: list[Any]) -> None:
+        ts = [t for t in live if t is not None]
         if self._sharded:  # DTensors: local shards, and one all-reduce for norms over sharded dims
             from ._sharded import apply_norms
 
-            ts, self._live = self._live, []
             if self._local_idx:
-                self.constraint.apply_(sharding.locals_of([ts[i] for i in self._local_idx]), self._plan)
+                _multi_tensor_constraint(
+                    self.constraint, sharding.locals_of([ts[i] for i in self._local_idx]), self.plan
+                )
             if self._reduce_idx:
                 apply_norms(self.constraint, [ts[i] for i in self._reduce_idx])
             return
         if not self.foreach:
-            self._apply_reference(ctx)
+            names = [ctx.index.name_of(t) or "?" for t in ts]
+            _single_tensor_constraint(self.constraint, ts, names, self.origin)
             return
-        ts, self._live = self._live, []
         with plain_if(self._sub):
-            self.constraint.apply_(ts, self._plan)
-
-    def _apply_reference(self, ctx: CommitContext) -> None:
-        """``t <- c(t)`` tensor by tensor (the Keras formula, out of place; a user callable's only path).
-        Every new value is computed and validated first, then written: a failure writes nothing."""
-        ts, self._live = self._live, []
-        news = []
-        with no_subclass():
-            for t in ts:
-                name = ctx.index.name_of(t) or "?"
-                try:
-                    new = self.constraint(t.detach())
-                except Exception as exc:
-                    raise UpdateError(
-                        f"constraint {self.constraint.name!r} (declared at {self.origin}) raised on {name!r}: "
-                        f"{type(exc).__name__}: {exc}. Nothing of this constraint was written."
-                    ) from exc
-                if (
-                    not isinstance(new, torch.Tensor)
-                    or new.shape != t.shape
-                    or new.device != t.device
-                    or (new.is_floating_point() and not t.is_floating_point())
-                ):
-                    got = where(new) if isinstance(new, torch.Tensor) else type(new).__name__
-                    raise UpdateError(
-                        f"constraint {self.constraint.name!r} (declared at {self.origin}) returned {got} for {name!r} "
-                        f"({where(t)}): a constraint must return a tensor of the same shape and device. "
-                        "Nothing of this constraint was written."
-                    )
-                news.append(new)
-            for t, new in zip(ts, news):
-                if new is t:
-                    continue
-                if sharding.is_sharded(t):  # the value laid out like t, then written shard onto shard
-                    from ._sharded import like
-
-                    sharding.local(t).copy_(sharding.local(like(t, new)))
-                else:
-                    t.copy_(new)
+            _multi_tensor_constraint(self.constraint, ts, self.plan)
 
 
 def constrain(

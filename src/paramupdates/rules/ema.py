@@ -482,34 +482,11 @@ class EMA(Rule):
                     self._mixed.append((dsts, srcs))
 
     def apply(self, ctx: CommitContext) -> None:
-        w = self._weight
         with plain_if(self._sub):
             if not self.foreach:  # the reference path: one pair at a time
-                for s, d, a in zip(self._src, self._dst, self._avg):
-                    if d.device != s.device:
-                        s = s.to(device=d.device)
-                    if not a:
-                        d.copy_(s)
-                    elif d.dtype == s.dtype:
-                        d.lerp_(s, w)
-                    else:
-                        d.mul_(1.0 - w).add_(s, alpha=w)
-                self._counter.t += 1
-                return
-            for d, s in self._lerp:
-                torch._foreach_lerp_(d, s, w)
-            for d, s in self._mixed:
-                _mixed_lerp_(d, s, w)
-            for d, s in self._copy:
-                torch._foreach_copy_(d, s)
-            for d, s, how in self._moved:
-                here = [t.to(device=d[0].device) for t in s]
-                if how == "lerp":
-                    torch._foreach_lerp_(d, here, w)
-                elif how == "mixed":
-                    _mixed_lerp_(d, here, w)
-                else:
-                    torch._foreach_copy_(d, here)
+                _single_tensor_ema(self._dst, self._src, self._avg, self._weight)
+            else:
+                _multi_tensor_ema(self._lerp, self._mixed, self._copy, self._moved, self._weight)
         self._counter.t += 1
 
     # --- state -------------------------------------------------------------
@@ -526,6 +503,44 @@ class EMA(Rule):
 
     def restore(self, saved: Any) -> None:
         self.updates = saved
+
+
+def _single_tensor_ema(avg: list[torch.Tensor], src: list[torch.Tensor], averaged: list[bool], w: float) -> None:
+    """``a <- lerp(a, p, w)`` pair by pair, ``w = 1 - d_t`` (``a * (1 - w) + p * w`` where the dtypes
+    differ; ``p`` first copied to ``a``'s device where the devices differ); a pair that is not
+    averaged (a non-floating buffer) is copied."""
+    for d, s, a in zip(avg, src, averaged):
+        if d.device != s.device:
+            s = s.to(device=d.device)
+        if not a:
+            d.copy_(s)
+        elif d.dtype == s.dtype:
+            d.lerp_(s, w)
+        else:
+            d.mul_(1.0 - w).add_(s, alpha=w)
+
+
+Pairs = list[tuple[list[torch.Tensor], list[torch.Tensor]]]
+
+
+def _multi_tensor_ema(lerp: Pairs, mixed: Pairs, copied: Pairs, moved: list[tuple[Any, Any, str]], w: float) -> None:
+    """The same per group of pairs (one device and dtype each side): ``torch._foreach_lerp_`` where the
+    dtypes match, ``_foreach_mul_`` + ``_foreach_add_`` where they differ, ``_foreach_copy_`` for the
+    copied; ``moved`` groups (the copy on another device) take one temporary copy per tensor first."""
+    for d, s in lerp:
+        torch._foreach_lerp_(d, s, w)
+    for d, s in mixed:
+        _mixed_lerp_(d, s, w)
+    for d, s in copied:
+        torch._foreach_copy_(d, s)
+    for d, s, how in moved:
+        here = [t.to(device=d[0].device) for t in s]
+        if how == "lerp":
+            torch._foreach_lerp_(d, here, w)
+        elif how == "mixed":
+            _mixed_lerp_(d, here, w)
+        else:
+            torch._foreach_copy_(d, here)
 
 
 def _mixed_lerp_(d: list[torch.Tensor], s: list[torch.Tensor], w: float) -> None:

@@ -10,21 +10,36 @@ step (it is in one of the optimizer's param groups and has a gradient)::
 rule's ``rate``. It is applied in phase ``before_grad``, i.e. before
 ``optimizer.step()``, which is exactly where ``torch.optim.AdamW`` decays
 (``param.mul_(1 - lr * weight_decay)`` before the Adam update): so
-``Adam(weight_decay=0)`` + ``pu.weight_decay(model, w)`` is ``AdamW(weight_decay=w)``.
+``Adam(weight_decay=0)`` + ``pu.weight_decay(model, w, exclude=None)`` is ``AdamW(weight_decay=w)``.
 Parameters without a gradient are skipped, as every ``torch.optim`` optimizer
 skips them.
 
-One ``torch._foreach_mul_`` (with a list of per-tensor factors) per device and
-dtype; the grouping and the factors are cached and rebuilt only when the
-learning rates, the param groups, the set of parameters with gradients, or the
-tensors' storage (``model.to()``, ``.data =``) change. ``foreach=False`` runs the
-readable reference path instead, ``p.mul_(1 - lr_g * rate_p)`` tensor by tensor
-(bitwise the same result: ``tests/test_weight_decay.py``).
+Two ways to carry it out, chosen per param group at each commit (the schedule shows the rule in
+``before_grad`` either way):
+
+* **the optimizer's own kernel**, where the optimizer has the same update built in: ``AdamW``, and
+  ``Adam``, ``NAdam``, ``RAdam`` through their ``decoupled_weight_decay`` (every optimizer whose
+  param groups carry ``decoupled_weight_decay``). For a group whose parameters with a gradient are
+  all covered, at one rate, with ``scale_by_lr=True``, and that no ``phase="before_grad"`` update of
+  this step touches, the commit sets the group's ``weight_decay`` (and ``decoupled_weight_decay``)
+  for this one ``optimizer.step()`` and restores the optimizer's own settings after it (after an
+  exception too). The decay then runs in the optimizer's pass over memory, in its kernel
+  (``foreach``, ``fused``, any dtype): bitwise that optimizer with ``weight_decay`` set, e.g.
+  ``Adam(fused=True)`` + ``pu.weight_decay`` == ``AdamW(fused=True)`` in bfloat16 too;
+* **a separate pass** for everything else (SGD, whose ``weight_decay`` is coupled L2, another
+  update; groups mixing covered and uncovered parameters or rates; ``scale_by_lr=False``):
+  :func:`_multi_tensor_weight_decay`, one ``torch._foreach_mul_`` per device and dtype
+  (``foreach=False``: :func:`_single_tensor_weight_decay`, ``p.mul_(f)`` tensor by tensor, bitwise
+  the same: ``tests/test_rule_paths.py``).
+
+A param group that decays by itself (its own ``weight_decay`` is not 0) and a ``pu.weight_decay``
+over some of its parameters would decay them twice: the commit refuses it before anything is
+written, naming the parameters and the fix.
 """
 
 from __future__ import annotations
 
-import warnings
+import itertools
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -34,23 +49,13 @@ from torch import nn
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from .. import sharding
-from ..errors import UpdateError
+from ..errors import UpdateError, listed
 from ..origin import call_site
 from ..parameter import Parameter
 from ..phases import BEFORE_GRAD
-from .base import Rule, register
-from .common import (
-    OnTensorList,
-    WeakList,
-    adopt_known,
-    any_none,
-    check_declared,
-    has_subclass,
-    named_tensors,
-    plain_if,
-    refuse_inside_step,
-    storage_key,
-)
+from .base import register
+from .common import adopt_known, any_none, check_declared, named_tensors, plain_if, refuse_inside_step
+from .declared import DeclaredRule
 
 if TYPE_CHECKING:
     from .base import CommitContext
@@ -59,17 +64,47 @@ Exclude = Callable[[str, torch.Tensor], bool]
 _grad_of = torch._C.TensorBase.grad.__get__  # the C getter, mapped without a Python-level loop
 
 
+# --- the math ---------------------------------------------------------------------------------------------
+def _single_tensor_weight_decay(params: list[torch.Tensor], factors: list[float]) -> None:
+    """``p <- p * f`` for each parameter and its factor ``f = 1 - lr * rate``, one at a time."""
+    for p, f in zip(params, factors):
+        p.mul_(f)
+
+
+def _multi_tensor_weight_decay(groups: list[tuple[list[torch.Tensor], list[Any]]]) -> None:
+    """The same, one ``torch._foreach_mul_`` per group (one device and dtype; factors per tensor)."""
+    for params, factors in groups:
+        torch._foreach_mul_(params, factors)
+
+
+def factors_for(dev: torch.device, dt: torch.dtype, factors: list[float]) -> list[Any]:
+    """The factors of one foreach group. On CPU 0-dim tensors, in float32 (float64 for float64
+    tensors): 2-3x faster than Python scalars there (no scalar wrapped per tensor), the products of
+    ``Tensor.mul_(scalar)`` bitwise, and right for bfloat16/float16 too, where
+    ``torch._foreach_mul_(ts, scalar)`` on CPU rounds the scalar to the tensors' dtype first
+    (``1 - 1e-3`` becomes 1.0 in bfloat16) while ``Tensor.mul_`` computes in float32."""
+    if dev.type != "cpu":
+        return list(factors)
+    return list(torch.tensor(factors, dtype=torch.float64 if dt == torch.float64 else torch.float32).unbind())
+
+
 def skip_1d(name: str, tensor: torch.Tensor) -> bool:
     """The default ``exclude``: tensors with at most one dimension (biases, norm scales, scalars)."""
     return tensor.ndim <= 1
 
 
-class WeightDecay(OnTensorList, Rule):
-    """Decoupled weight decay (see the module docstring for the math)."""
+def _lr_key(lr: Any) -> Any:
+    """A learning rate as a plan key: a number as itself, a tensor (``capturable``) by a weak reference
+    (its value is not read on the host: no sync)."""
+    return lr if isinstance(lr, int | float) else weakref.ref(lr)
+
+
+class WeightDecay(DeclaredRule):
+    """Decoupled weight decay (see the module docstring for the math and the two paths)."""
 
     phase = BEFORE_GRAD
     kind = "weight_decay"
-    infallible = True  # foreach mul by Python floats on floating tensors: validated at declaration
+    infallible = True  # foreach mul by validated factors on floating tensors; the group settings restored
     per_optimizer_update = True
 
     def __init__(
@@ -82,48 +117,17 @@ class WeightDecay(OnTensorList, Rule):
     ) -> None:
         super().__init__(origin)
         self.foreach = foreach
-        self.names = [n for n, _, _ in named]
         self.rates = [r for _, _, r in named]
-        # declared on a module: follows its parameters by name (e.g. into fully_shard's DTensors)
-        self._tensors = WeakList([t for _, t, _ in named], root, self.names if root is not None else None)
         self.scale_by_lr = scale_by_lr
-        self._key: tuple | None = None
-        # indices into the declared tensors, never the tensors (a rule must not keep them alive)
-        self._groups: list[tuple[list[int], list[Any]]] = []
-        self._written: list[int] = []
-        self._factors: list[float] = []  # per written tensor: the reference path's Python factors
-        self._all = False
-        self._direct = False  # _all, in one group in declaration order: apply to the live list as is
-        self._live: list[Any] = []
-        self._written_ts: list[torch.Tensor] = []
-        self._sub = has_subclass([t for _, t, _ in named])
-        self._warned: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-
-    def owner_tensors(self) -> list[torch.Tensor]:
-        return self._tensors.live()
-
-    def resync(self) -> None:
-        if self._tensors.resync():
-            self._key = None  # another tensor in a slot: plan again
-
-    def tensors(self) -> list[torch.Tensor]:
-        """What the coming (or last) commit decays; all covered tensors before the first commit."""
-        if self._key is None:
-            return self._tensors.live()
-        if self._live:
-            return self._written_ts
-        live = self._tensors.current()
-        return [t for i in self._written if (t := live[i]) is not None]
-
-    def alive(self) -> bool:
-        return self._tensors.alive()
+        # declared on a module: follows its parameters by name (e.g. into fully_shard's DTensors)
+        self.hold([(n, t) for n, t, _ in named], root)
+        self._lent: list[tuple[dict, dict]] = []  # param groups whose settings this commit set, and theirs
 
     def same_kind(self) -> Any:
         return "weight_decay"  # two decays of one tensor are never meant
 
     def settings(self) -> Any:
-        live = self._tensors.current()
-        return (self.scale_by_lr, self.foreach, sorted((id(t), r) for t, r in zip(live, self.rates)))
+        return (self.scale_by_lr, self.foreach, tuple(self.rates))
 
     def describe(self) -> str:
         return "pu.weight_decay"
@@ -133,62 +137,38 @@ class WeightDecay(OnTensorList, Rule):
         self.rates = [self.rates[i] for i in keep]
         return not keep
 
-    # --- plan ------------------------------------------------------------------
-    def check(self, ctx: CommitContext) -> None:
+    # --- the plan -------------------------------------------------------------------------------------
+    def plan_key(self, ctx: CommitContext, live: list[Any]) -> Any:
+        """The optimizer and the layout of its groups (which parameters, their lr, own decay,
+        ``decoupled_weight_decay``), and which covered tensors have a gradient."""
         opt = ctx.optimizer
-        if opt is None:  # pragma: no cover - Commit._take_rules drops per-update rules without optimizer
-            return
-        live = self._tensors.current()
-        small = self._opt_key(opt, live)
-        # the storage too: model.to() / .data = change the device and dtype the cached groups and factors are for
-        key = (small, storage_key([t for t in live if t is not None], self._sub))
-        if key != self._key:
-            has_grad = small[-1]
-            self._build(opt, live, (True,) * len(live) if has_grad is True else has_grad)
-            self._key = key
-        self._hold(live)
-
-    def _opt_key(self, opt: torch.optim.Optimizer, live: list[Any]) -> tuple:
-        """What the plan depends on besides storage: the param groups, their lrs, which tensors have a gradient."""
+        if opt is None:
+            return None
         with plain_if(self._sub):
-            grads = (
-                list(map(_grad_of, live)) if not any_none(live) else [None if t is None else _grad_of(t) for t in live]
-            )
-        # the common case (every tensor alive with a gradient) without a per-tensor Python test
+            grads = list(map(_grad_of, live)) if not any_none(live) else [t if t is None else _grad_of(t) for t in live]
         has_grad: tuple[bool, ...] | bool = True if not any_none(grads) else tuple(g is not None for g in grads)
         groups = opt.param_groups
-        lrs = tuple([float(g["lr"]) for g in groups]) if self.scale_by_lr else ()
         return (
-            id(opt),
-            tuple([id(g["params"]) for g in groups]),
+            weakref.ref(opt),
+            tuple(map(id, itertools.chain.from_iterable([g["params"] for g in groups]))),  # (held by opt)
             tuple([len(g["params"]) for g in groups]),
-            lrs,
+            tuple([_lr_key(g["lr"]) for g in groups]) if self.scale_by_lr else (),
+            tuple([(g.get("weight_decay", 0), g.get("decoupled_weight_decay")) for g in groups]),
             has_grad,
         )
 
-    def _hold(self, live: list[Any]) -> None:
-        self._live = live  # held for this commit only
-        self._written_ts = live if self._all else [live[i] for i in self._written]
-
-    def fingerprint(self) -> list[torch.Tensor] | None:
-        live = self._live
-        return None if not live or any_none(live) else live
-
-    def revalidate(self, ctx: CommitContext, held: list[torch.Tensor]) -> bool:
+    def make_plan(self, ctx: CommitContext, live: list[Any]) -> Any:
+        """``(separate, lent, double)``: the separate pass (per device and dtype: indices and factors),
+        the groups the optimizer decays itself (group index, rate, the indices it covers), and the
+        names of covered parameters their group decays already (refused at each commit)."""
         opt = ctx.optimizer
-        if opt is None or self._key is None or self._opt_key(opt, held) != self._key[0]:
-            return False
-        self._hold(held)
-        return True
-
-    def _build(self, opt: torch.optim.Optimizer, live: list[Any], has_grad: tuple[bool, ...]) -> None:
-        group_of: dict[int, int] = {}
-        for gi, g in enumerate(opt.param_groups):
-            for q in g["params"]:
-                group_of.setdefault(id(q), gi)
-        ts: list[torch.Tensor] = []
-        written: list[int] = []
-        factors: list[float] = []
+        if opt is None:  # pragma: no cover - Commit._take_rules drops per-update rules without optimizer
+            return ([], [], [])
+        has_grad = self.plan_key(ctx, live)[-1]
+        has_grad = (True,) * len(live) if has_grad is True else has_grad
+        groups = opt.param_groups
+        group_of = _group_of(opt)
+        covered: dict[int, list[int]] = {}  # group -> positions of covered parameters with a gradient
         double: list[str] = []
         for i, (t, name, rate, grad) in enumerate(zip(live, self.names, self.rates, has_grad)):
             if t is None or not grad or rate == 0.0:
@@ -196,57 +176,135 @@ class WeightDecay(OnTensorList, Rule):
             gi = group_of.get(id(t))
             if gi is None:
                 continue  # not updated by this optimizer
-            g = opt.param_groups[gi]
-            if g.get("weight_decay", 0) and len(double) < 3:
+            if groups[gi].get("weight_decay", 0):
                 double.append(name)
-            lr = float(g["lr"]) if self.scale_by_lr else 1.0
-            ts.append(t)
-            written.append(i)
-            factors.append(1.0 - lr * rate)
-        if double and opt not in self._warned:
-            self._warned.add(opt)
-            warnings.warn(
-                f"pu.weight_decay (declared at {self.origin}) and {type(opt).__name__}(weight_decay=...) both decay "
-                f"{', '.join(repr(n) for n in double)}: the parameters are decayed twice. Set the optimizer's "
-                "weight_decay=0 (or drop pu.weight_decay).",
-                stacklevel=2,
-            )
-        self._written = written
-        self._factors = factors
-        self._all = written == list(range(len(live)))  # every covered tensor is decayed (the common case)
-        self._groups = []
-        if ts:
-            grouped = _group_tensors_by_device_and_dtype([ts], with_indices=True)
-            for (dev, dt), (_, idx) in grouped.items():
-                fs: list[Any] = [factors[i] for i in idx]
-                if dev.type == "cpu":
-                    # 0-dim factors, in float32 (float64 for float64 tensors): on CPU this is 2-3x faster
-                    # than a Python scalar (no scalar wrapped per tensor), gives the products of
-                    # Tensor.mul_(scalar) bitwise, and is also right for bfloat16/float16, where
-                    # torch._foreach_mul_(ts, scalar) on CPU rounds the scalar to the tensors' dtype first
-                    # (1 - 1e-3 becomes 1.0 in bfloat16) while Tensor.mul_ computes in float32.
-                    fs = list(torch.tensor(fs, dtype=torch.float64 if dt == torch.float64 else torch.float32).unbind())
-                self._groups.append(([written[i] for i in idx], fs))
-        self._direct = self._all and len(self._groups) == 1 and self._groups[0][0] == written
-
-    def restore(self, saved: Any) -> None:
-        self._live, self._written_ts = [], []  # a failed commit: hold nothing past it
-
-    # --- commit ------------------------------------------------------------------
-    def apply(self, ctx: CommitContext) -> None:
-        # elementwise: a DTensor (FSDP2) decays its local shard, with no communication
-        live = sharding.locals_of(self._live)
-        with plain_if(self._sub):
-            if not self.foreach:  # the reference path: one tensor at a time
-                for i, f in zip(self._written, self._factors):
-                    live[i].mul_(f)
-            elif self._direct:
-                torch._foreach_mul_(live, self._groups[0][1])  # every covered tensor, one device and dtype, in order
+            covered.setdefault(gi, []).append(i)
+        lent = []
+        separate_idx: list[int] = []
+        for gi, idx in covered.items():
+            if self._kernel_can_decay(groups[gi], [live[i] for i in idx], {self.rates[i] for i in idx}):
+                lent.append((gi, self.rates[idx[0]], idx))
             else:
-                for idx, factors in self._groups:
-                    torch._foreach_mul_([live[i] for i in idx], factors)
-        self._live = []
-        self._written_ts = []
+                separate_idx.extend(idx)
+        separate_idx.sort()
+        return (self._separate_plan(groups, group_of, live, separate_idx), lent, double)
+
+    def _kernel_can_decay(self, g: dict, ts: list[torch.Tensor], rates: set[float]) -> bool:
+        """Whether group ``g``'s optimizer can carry out this decay itself: it has decoupled decay
+        built in, decays no parameter of its own, and this rule covers every parameter of the group
+        that has a gradient, at one rate, scaled by the learning rate."""
+        if not self.scale_by_lr or "decoupled_weight_decay" not in g or g.get("weight_decay", 0) or len(rates) != 1:
+            return False
+        with plain_if(self._sub):
+            stepped = [p for p in g["params"] if _grad_of(p) is not None]
+        return len(stepped) == len(ts) and all(map(lambda a, b: a is b, sorted(stepped, key=id), sorted(ts, key=id)))
+
+    def _separate_plan(self, groups: list[dict], group_of: dict[int, int], live: list[Any], idx: list[int]) -> Any:
+        """``(positions, foreach groups)`` of the separate pass over ``idx``: per device and dtype, the
+        positions and the factors ``1 - lr * rate`` (``1 - rate`` unless ``scale_by_lr``)."""
+        factors = []
+        for i in idx:
+            g = groups[group_of[id(live[i])]]
+            lr = g["lr"] if self.scale_by_lr else 1.0
+            factors.append(1.0 - lr * self.rates[i] if isinstance(lr, int | float) else None)
+        if any_none(factors):  # a tensor learning rate: factors as tensors, no host read
+            factors = [
+                1.0 - groups[group_of[id(live[i])]]["lr"] * self.rates[i] if f is None else f
+                for i, f in zip(idx, factors)
+            ]
+        foreach_groups = []
+        if idx:
+            grouped = _group_tensors_by_device_and_dtype([[live[i] for i in idx]], with_indices=True)
+            for (dev, dt), (_, js) in grouped.items():
+                fs = [factors[j] for j in js]
+                plain = all(isinstance(f, float) for f in fs)
+                foreach_groups.append(([idx[j] for j in js], factors_for(dev, dt, fs) if plain else fs))
+        return (idx, factors, foreach_groups)
+
+    # --- the commit -----------------------------------------------------------------------------------
+    def check(self, ctx: CommitContext) -> None:
+        super().check(ctx)
+        self._refuse_double(ctx)
+
+    def revalidate(self, ctx: CommitContext, held: list[torch.Tensor]) -> bool:
+        if not super().revalidate(ctx, held):
+            return False
+        self._refuse_double(ctx)
+        return True
+
+    def _refuse_double(self, ctx: CommitContext) -> None:
+        double = self.plan[2] if self.plan is not None else []
+        if double:
+            self._live = []
+            opt = type(ctx.optimizer).__name__
+            raise UpdateError(
+                f"pu.weight_decay declared at {self.origin} covers {listed(list(map(repr, double)))}, which "
+                f"{opt}(weight_decay=...) decays already (its param group's own weight_decay is not 0): the "
+                f"parameters would be decayed twice. Set weight_decay=0 in that param group of {opt} (keep "
+                "pu.weight_decay), or exclude them from pu.weight_decay. Nothing of this step was written."
+            )
+
+    def tensors(self) -> list[torch.Tensor]:
+        """During a commit, what its separate pass writes (the optimizer's kernel writes the rest);
+        between commits, what the last one decayed (every covered tensor before the first)."""
+        if self.plan is None:
+            return self._tensors.live()
+        if self._live:
+            return [self._live[i] for i in self.plan[0][0]]
+        return self.decayed()
+
+    def decayed(self) -> list[torch.Tensor]:
+        """The tensors the last commit decayed, by either path."""
+        (idx, _f, _g), lent, _double = self.plan
+        positions = sorted([*idx, *(i for _gi, _r, covered in lent for i in covered)])
+        live = self._tensors.current()
+        return [t for i in positions if (t := live[i]) is not None]
+
+    def rows(self, index: Any) -> list[Any]:
+        if self.plan is None:
+            return super().rows(index)
+        saved, self._live = self._live, []
+        try:
+            return super().rows(index)  # (tensors() between commits: what the last one decayed)
+        finally:
+            self._live = saved
+
+    def run(self, ctx: CommitContext, live: list[Any]) -> None:
+        (idx, factors, foreach_groups), lent, _double = self.plan
+        touched = ctx.before_grad_targets()  # what an issued before_grad update writes after the rules
+        fallback: list[int] = []
+        for gi, rate, covered in lent:
+            if touched and any(id(live[i]) in touched for i in covered):
+                fallback.extend(covered)  # the decay must come before those updates: a separate pass
+                continue
+            g = ctx.optimizer.param_groups[gi]
+            self._lent.append((g, {k: g[k] for k in ("weight_decay", "decoupled_weight_decay")}))
+            g["weight_decay"], g["decoupled_weight_decay"] = rate, True
+        # elementwise: a DTensor (FSDP2) decays its local shard, with no communication
+        ts = sharding.locals_of(live)
+        with plain_if(self._sub):
+            if fallback:
+                groups = ctx.optimizer.param_groups
+                plan = self._separate_plan(groups, _group_of(ctx.optimizer), live, sorted(set(idx) | set(fallback)))
+                idx, factors, foreach_groups = plan
+            if not self.foreach:  # the reference path: one tensor at a time
+                _single_tensor_weight_decay([ts[i] for i in idx], factors)
+            else:
+                _multi_tensor_weight_decay([([ts[i] for i in js], fs) for js, fs in foreach_groups])
+
+    def optimizer_done(self) -> None:
+        """The optimizer's step is over (or failed): its param groups get their own settings back."""
+        lent, self._lent = self._lent, []
+        for g, own in lent:
+            g.update(own)
+
+
+def _group_of(opt: torch.optim.Optimizer) -> dict[int, int]:
+    group_of: dict[int, int] = {}
+    for gi, g in enumerate(opt.param_groups):
+        for q in g["params"]:
+            group_of.setdefault(id(q), gi)
+    return group_of
 
 
 def weight_decay(
@@ -278,8 +336,10 @@ def weight_decay(
 
     A ``pu.Parameter(weight_decay=r)`` uses ``r`` instead of ``rate``, and its
     explicit rate also overrides ``exclude`` (``weight_decay=0.0`` exempts it).
-    A warning is issued once if the optimizer's own ``weight_decay`` is non-zero
-    for a decayed parameter (double decay). Returns the rule (``.remove()`` undeclares it).
+    Where the optimizer has decoupled decay built in (``AdamW``; ``Adam``, ``NAdam``, ``RAdam``)
+    its own kernel carries the decay out for the groups this rule covers whole (see the module
+    docstring); a param group that decays by itself (``weight_decay`` not 0) and this rule on its
+    parameters is refused at commit (double decay). Returns the rule (``.remove()`` undeclares it).
     """
     origin = call_site(2)
     if exclude is ...:  # the contract writes the default as "..."

@@ -1,0 +1,101 @@
+"""The generic declared rule: what every rule over a list of tensors shares, around its math.
+
+A rule's math is a pair of free functions in its own module, in the style of ``torch.optim``:
+``_single_tensor_<rule>`` (readable, one tensor at a time: the reference) and
+``_multi_tensor_<rule>`` (``torch._foreach_*`` per device and dtype), picked by ``foreach=`` and
+tested against each other (``tests/test_rule_paths.py``). :class:`DeclaredRule` is everything else:
+
+* the tensors, held weakly in declaration order with their qualified names, followed by name in
+  the module the rule was declared on (or, once known, the model that owns them);
+* the *plan* (groups, factors, pairs), made by :meth:`DeclaredRule.make_plan` when what it depends
+  on changed, and kept between commits as indices into the tensors, never the tensors;
+* revalidation: a commit whose model, tensors and :meth:`DeclaredRule.plan_key` are those of the
+  last full check reuses the plan after one pass over the tensors' storage (``RuleSet``);
+* the tensors held for one commit only (``_live``), released by every way out of it.
+
+A subclass sets ``phase``/``kind``, builds ``names`` and ``_tensors`` in ``__init__`` (through
+:meth:`DeclaredRule.hold`), and implements :meth:`plan_key`, :meth:`make_plan` and :meth:`run`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from .base import Rule
+from .common import OnTensorList, WeakList, any_none, has_subclass, storage_key
+
+if TYPE_CHECKING:
+    from .base import CommitContext
+
+
+class DeclaredRule(OnTensorList, Rule):
+    """A rule over a list of tensors (see the module docstring)."""
+
+    foreach = True  # False: the rule's _single_tensor_ path
+
+    def hold(self, named: list[tuple[str, torch.Tensor]], root: nn.Module | None) -> None:
+        """Keep ``named`` (``(qualified name, tensor)``, in order): weakly, followed by name in ``root``."""
+        self.names = [n for n, _ in named]
+        self._tensors = WeakList([t for _, t in named], root, self.names if root is not None else None)
+        self._sub = has_subclass([t for _, t in named])
+        self._key: tuple | None = None
+        self.plan: Any = None
+        self._live: list[Any] = []
+
+    # --- what a subclass provides ------------------------------------------------------------------
+    def plan_key(self, ctx: CommitContext, live: list[Any]) -> Any:
+        """What the plan depends on besides the tensors' storage (learning rates, param groups, which
+        tensors have a gradient); compared with ``==`` at each commit."""
+        return None
+
+    def make_plan(self, ctx: CommitContext, live: list[Any]) -> Any:
+        """The plan for ``live`` (the declared tensors now, ``None`` where one died): validate, group."""
+        raise NotImplementedError
+
+    def run(self, ctx: CommitContext, live: list[Any]) -> None:
+        """Apply the math to ``live`` with :attr:`plan` (under ``torch.no_grad()``)."""
+        raise NotImplementedError
+
+    # --- ownership ---------------------------------------------------------------------------------
+    def owner_tensors(self) -> list[torch.Tensor]:
+        return self._tensors.live()
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What this commit writes (the tensors its check saw), else every covered tensor."""
+        return [t for t in self._live if t is not None] if self._live else self._tensors.live()
+
+    def resync(self) -> None:
+        if self._tensors.resync():
+            self._key = None  # another tensor in a slot: plan again
+
+    def alive(self) -> bool:
+        return self._tensors.alive()
+
+    # --- the commit --------------------------------------------------------------------------------
+    def check(self, ctx: CommitContext) -> None:
+        live = self._tensors.current()
+        key = (self.plan_key(ctx, live), storage_key([t for t in live if t is not None], self._sub))
+        if key != self._key:
+            self.plan = self.make_plan(ctx, live)
+            self._key = key
+        self._live = live  # held for this commit only
+
+    def fingerprint(self) -> list[torch.Tensor] | None:
+        live = self._live
+        return None if not live or any_none(live) else live
+
+    def revalidate(self, ctx: CommitContext, held: list[torch.Tensor]) -> bool:
+        if self._key is None or self.plan_key(ctx, held) != self._key[0]:
+            return False
+        self._live = held  # the plan depends on the storage, which the caller checked, and the key
+        return True
+
+    def apply(self, ctx: CommitContext) -> None:
+        live, self._live = self._live, []
+        self.run(ctx, live)
+
+    def restore(self, saved: Any) -> None:
+        self._live = []  # a failed commit: hold nothing past it

@@ -6,7 +6,7 @@ range over the repeats, and the ratio of the minima. Memory (c) runs each
 variant in its own fresh process. The benchmarks, and what each compares:
 
 (a) ``launch``:   50 x (Linear(16) + BatchNorm1d), batch 8, SGD: ``pu.step`` and
-                  ``pu.attach`` vs plain PyTorch, eager (goal <= 1.30x);
+                  ``pu.attach`` vs plain PyTorch, eager (goal <= 1.25x);
     ``compiled``: the same, ``torch.compile`` of the model on both sides (goal
                   <= 1.10x; not in the default set: compiling takes ~20 s with
                   inductor's cache warm, minutes cold; ``--all`` or ``--only compiled``);

@@ -19,7 +19,11 @@ variant in its own fresh process. The benchmarks, and what each compares:
                   <= 1.10x small and large), rules alone and with an SGD step;
     ``alloc``:    extra peak memory of a ResNet-20 step, exactly, from the allocator,
                   over the bytes the step leaves pending (goal <= 1);
-    ``checkpoint``: ResNet-20 with every block checkpointed, pu vs torch (no goal).
+    ``checkpoint``: ResNet-20 with every block checkpointed, pu vs torch (no goal);
+    ``compiled_commit``: ``benchmarks/compiled_commit.py``: ``torch.compile(opt.step)`` on an
+                  attached optimizer with the rules of (d), vs the same math hand-written in one
+                  compiled function and vs eager foreach (``--all`` or ``--only compiled_commit``:
+                  compiling a 300-tensor step takes minutes on CPU).
 
 ``--device cuda`` runs the same benchmarks on the GPU (wall clock after a
 synchronize); it stops with a message if CUDA is not available.
@@ -42,9 +46,9 @@ import torch
 import paramupdates  # noqa: F401  (fail early if not installed)
 
 # table order; "compiled" runs last (compiling is slow) but is printed after (a) eager
-ORDER = ("launch", "compiled", "step", "peak", "rules", "alloc", "checkpoint")
+ORDER = ("launch", "compiled", "step", "peak", "rules", "compiled_commit", "alloc", "checkpoint")
 DEFAULT = ("launch", "step", "peak", "rules", "alloc", "checkpoint")
-RUN_ORDER = ("launch", "step", "rules", "alloc", "checkpoint", "peak", "compiled")
+RUN_ORDER = ("launch", "step", "rules", "alloc", "checkpoint", "peak", "compiled", "compiled_commit")
 
 
 def _fmt(row: dict) -> tuple[str, str, str, str, str, str]:
@@ -130,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny settings: checks that everything runs, not numbers")
     args = ap.parse_args(argv)
 
-    from . import checkpointed, launch_bound, memory, peak_memory, rules, step_overhead, timing
+    from . import checkpointed, compiled_commit, launch_bound, memory, peak_memory, rules, step_overhead, timing
 
     device = timing.select_device(args.device)
     torch.set_num_threads(args.threads)
@@ -156,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "rules": lambda: rules.rows(
             device, rounds=reps, iters=1 if q else 10, sizes=("tiny",) if q else ("tiny", "small", "large")
+        ),
+        "compiled_commit": lambda: compiled_commit.rows(
+            device, rounds=reps, iters=1 if q else 10, size="tiny" if q else "small", backend=args.backend
         ),
         "alloc": lambda: memory.run(device, steps=1 if q else memory.STEPS),
         "checkpoint": lambda: checkpointed.run(device, repeats=1 if q else max(3, reps // 3), steps=1 if q else 4),

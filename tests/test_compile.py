@@ -469,3 +469,62 @@ def test_declared_rules_with_a_compiled_forward_under_attach():
     assert cc.frame_count == 1
     phases = [r.phase for r in compiled[2][1][-1]]
     assert "before_grad" in phases and "after_grad" in phases and "after_step" in phases
+
+
+def _bn_net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8, bias=False), pu.nn.BatchNorm1d(8), nn.Linear(8, 2))
+
+
+def _compiled_opt_step_run(make_opt, backend, steps=6):
+    """Train a batch-norm net with weight decay, max_norm and EMA under pu.attach, stepping with
+    ``torch.compile(opt.step)`` when ``backend`` is given; returns the state and the graph counts."""
+    pu.testing.reset()
+    torch._dynamo.reset()
+    counters.clear()
+    m = _bn_net()
+    opt = make_opt(m.parameters())
+    pu.weight_decay(m, 0.1)
+    pu.constrain([m[0].weight], pu.max_norm(0.5))
+    avg = pu.ema(m, 0.9)
+    pu.attach(m, opt)
+    step = torch.compile(opt.step, backend=backend) if backend else opt.step
+    g = torch.Generator().manual_seed(3)
+    graphs = []
+    for _ in range(steps):
+        m(torch.randn(16, 4, generator=g)).square().sum().backward()
+        step()
+        opt.zero_grad()
+        graphs.append(counters["stats"]["unique_graphs"])
+    m(torch.randn(16, 4, generator=g)).square().sum().backward()  # gradients for explain's step
+    return snapshot(m) + snapshot(avg), graphs, opt
+
+
+@pytest.mark.parametrize(
+    "make_opt,backend",
+    [
+        (lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9), "eager"),  # separate decay pass
+        (lambda ps: torch.optim.Adam(ps, lr=0.01), "inductor"),  # decay in Adam's own (compiled) kernel
+    ],
+    ids=["sgd-eager", "adam-inductor"],
+)
+def test_compiled_optimizer_step_compiles_the_commit_with_it(make_opt, backend):
+    """``torch.compile(opt.step)`` (torch's compiled-optimizer recipe) on an attached optimizer: the
+    commit's phases are traced with it (batch-norm statistics, weight decay, max_norm, EMA); no graph
+    break but the two ``torch.optim`` puts in every step (``_use_grad``: before and after the update);
+    no recompilation once the optimizer's state exists; the state is the eager commit's (bitwise with
+    the eager backend, to float rounding with inductor, whose Adam computes in another order)."""
+    eager, _, _ = _compiled_opt_step_run(make_opt, None)
+    compiled, graphs, opt = _compiled_opt_step_run(make_opt, backend)
+    assert graphs[2:] == [graphs[2]] * len(graphs[2:]), graphs  # no new graph after the 3rd step
+    if backend == "eager":
+        assert_same(eager, compiled)
+    else:
+        for (n, a), (_, b) in zip(eager, compiled):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=n)
+    assert opt.param_groups[0]["weight_decay"] == 0  # the optimizer's own setting, restored
+    explained = torch._dynamo.explain(opt.step)()
+    assert explained.graph_count >= 1 and explained.graph_break_count == len(explained.break_reasons) <= 2
+    for reason in explained.break_reasons:
+        top = reason.user_stack[-1]
+        assert top.filename.endswith(("torch/optim/optimizer.py",)) and top.name == "_use_grad", reason

@@ -400,3 +400,40 @@ def test_a_before_grad_update_of_a_decayed_parameter_keeps_the_order():
     ref.grad = w.grad.clone()
     torch.optim.Adam([ref], lr=0.05).step()
     assert torch.equal(bits(w), bits(ref))
+
+
+class _TwoBranches(torch.nn.Module):
+    """``a`` is used every step; ``b`` only from the second step on (a branch, an expert)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(5, 3, bias=False)
+        self.b = torch.nn.Linear(5, 3, bias=False)
+        self.use_b = False
+
+    def forward(self, x):
+        return self.a(x) + self.b(x) if self.use_b else self.a(x)
+
+
+def test_a_parameter_of_the_group_that_gets_a_gradient_later_is_not_decayed_by_the_kernel():
+    """Step 1: the group's only stepped parameter is covered, so Adam decays in its own kernel. Step 2:
+    an uncovered parameter of the same group has a gradient now: the plan must change (a separate pass),
+    or Adam's own decay would decay it too. Reference: torch's AdamW with that parameter in a group of
+    ``weight_decay=0``."""
+    torch.manual_seed(0)
+    m = _TwoBranches()
+    ref = copy.deepcopy(m)
+    opt = torch.optim.Adam(m.parameters(), lr=0.05)
+    ref_opt = torch.optim.AdamW(
+        [{"params": [ref.a.weight], "weight_decay": 0.1}, {"params": [ref.b.weight], "weight_decay": 0.0}], lr=0.05
+    )
+    pu.weight_decay([m.a.weight], 0.1)
+    for i, x in enumerate(_data(3)):
+        m.use_b = ref.use_b = i > 0
+        _loss(ref, x).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        with pu.step(m, opt):
+            _loss(m, x).backward()
+        opt.zero_grad()
+    assert_same(snapshot(ref), snapshot(m))

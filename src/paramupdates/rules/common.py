@@ -30,6 +30,26 @@ def any_none(xs: list[Any]) -> bool:
     return any(map(operator.is_, xs, itertools.repeat(None)))
 
 
+class SameObjects:
+    """A sequence compared by identity, element by element (``is``, mapped in C): a cache key that
+    keeps what it names alive, so that no ``id()`` of a dead object can match a new one, and that
+    never calls ``Tensor.__eq__``."""
+
+    __slots__ = ("objs",)
+
+    def __init__(self, objs: Iterable[Any]) -> None:
+        self.objs = tuple(objs)
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, SameObjects)
+            and len(self.objs) == len(other.objs)
+            and all(map(operator.is_, self.objs, other.objs))
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+
 def has_subclass(ts: list[torch.Tensor]) -> bool:
     """Whether any tensor has a ``__torch_function__`` subclass (``pu.Parameter``)."""
     return not set(map(type, ts)) <= _PLAIN_SET  # (one pass over the types, in C)

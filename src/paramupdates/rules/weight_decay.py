@@ -54,7 +54,15 @@ from ..origin import call_site
 from ..parameter import Parameter
 from ..phases import BEFORE_GRAD
 from .base import register
-from .common import adopt_known, any_none, check_declared, named_tensors, plain_if, refuse_inside_step
+from .common import (
+    SameObjects,
+    adopt_known,
+    any_none,
+    check_declared,
+    named_tensors,
+    plain_if,
+    refuse_inside_step,
+)
 from .declared import DeclaredRule
 
 if TYPE_CHECKING:
@@ -139,18 +147,21 @@ class WeightDecay(DeclaredRule):
 
     # --- the plan -------------------------------------------------------------------------------------
     def plan_key(self, ctx: CommitContext, live: list[Any]) -> Any:
-        """The optimizer and the layout of its groups (which parameters, their lr, own decay,
-        ``decoupled_weight_decay``), and which covered tensors have a gradient."""
+        """The optimizer and the layout of its groups (which parameters, by identity, their lr, own
+        decay, ``decoupled_weight_decay``), and which of its parameters have a gradient: every one,
+        not only the covered ones, since a group may decay in its own kernel only while each of its
+        stepped parameters is covered (a parameter that gets its first gradient later changes that)."""
         opt = ctx.optimizer
         if opt is None:
             return None
-        with plain_if(self._sub):
-            grads = list(map(_grad_of, live)) if not any_none(live) else [t if t is None else _grad_of(t) for t in live]
-        has_grad: tuple[bool, ...] | bool = True if not any_none(grads) else tuple(g is not None for g in grads)
         groups = opt.param_groups
+        params = list(itertools.chain.from_iterable([g["params"] for g in groups]))
+        with plain_if(self._sub):
+            grads = list(map(_grad_of, params))
+        has_grad: tuple[bool, ...] | bool = True if not any_none(grads) else tuple(g is not None for g in grads)
         return (
             weakref.ref(opt),
-            tuple(map(id, itertools.chain.from_iterable([g["params"] for g in groups]))),  # (held by opt)
+            SameObjects(params),  # held by the key: no id() of a parameter that died can match
             tuple([len(g["params"]) for g in groups]),
             tuple([_lr_key(g["lr"]) for g in groups]) if self.scale_by_lr else (),
             tuple([(g.get("weight_decay", 0), g.get("decoupled_weight_decay")) for g in groups]),
@@ -164,14 +175,14 @@ class WeightDecay(DeclaredRule):
         opt = ctx.optimizer
         if opt is None:  # pragma: no cover - Commit._take_rules drops per-update rules without optimizer
             return ([], [], [])
-        has_grad = self.plan_key(ctx, live)[-1]
-        has_grad = (True,) * len(live) if has_grad is True else has_grad
         groups = opt.param_groups
         group_of = _group_of(opt)
         covered: dict[int, list[int]] = {}  # group -> positions of covered parameters with a gradient
         double: list[str] = []
-        for i, (t, name, rate, grad) in enumerate(zip(live, self.names, self.rates, has_grad)):
-            if t is None or not grad or rate == 0.0:
+        with plain_if(self._sub):
+            grads = [t if t is None else _grad_of(t) for t in live]
+        for i, (t, name, rate, grad) in enumerate(zip(live, self.names, self.rates, grads)):
+            if t is None or grad is None or rate == 0.0:
                 continue
             gi = group_of.get(id(t))
             if gi is None:

@@ -45,11 +45,6 @@ def pu_compiled(size: str, device: torch.device, backend: str | None):
     return (torch.compile(opt.step, backend=backend) if backend else opt.step), model
 
 
-def pu_eager(size: str, device: torch.device):
-    step, model = pu_compiled(size, device, None)
-    return step, model
-
-
 def hand(size: str, device: torch.device, backend: str | None):
     model, opt = rules.setup(size, True, device)
     params, weights, avg = rules.tensors(model)
@@ -72,7 +67,7 @@ def bench(size: str, rounds: int, iters: int, device: torch.device, backend: str
         "pu compiled": lambda: pu_compiled(size, device, backend),
         "hand compiled": lambda: hand(size, device, backend),
         "hand eager foreach": lambda: rules.foreach_variant(size, True, device),
-        "pu eager": lambda: pu_eager(size, device),
+        "pu eager": lambda: pu_compiled(size, device, None),  # (backend None: not compiled)
     }
     variants, models = {}, []
     try:

@@ -437,3 +437,45 @@ def test_a_parameter_of_the_group_that_gets_a_gradient_later_is_not_decayed_by_t
             _loss(m, x).backward()
         opt.zero_grad()
     assert_same(snapshot(ref), snapshot(m))
+
+
+class _Shift(pu.Rule):
+    """A user rule in ``before_grad``, declared after the decay: ``p <- p + 0.5`` (its order with the
+    decay matters: ``(p * f) + 0.5`` is not ``(p + 0.5) * f``)."""
+
+    phase = "before_grad"
+    kind = "test_shift"
+
+    def __init__(self, t):
+        super().__init__("test")
+        self.t = t
+
+    def tensors(self):
+        return [self.t]
+
+    def apply(self, ctx):
+        self.t.add_(0.5)
+
+
+def test_a_later_before_grad_rule_sees_the_decayed_parameter():
+    """Rules run in declaration order inside their phase: a ``before_grad`` rule declared after the
+    decay reads the decayed value, so the decay of the tensors it writes cannot wait for the optimizer's
+    kernel. Reference: the same order by hand, then torch's Adam."""
+    torch.manual_seed(0)
+    ref = _net()
+    m = copy.deepcopy(ref)
+    ref_opt, opt = torch.optim.Adam(ref.parameters(), lr=0.05), torch.optim.Adam(m.parameters(), lr=0.05)
+    pu.weight_decay(m, 0.1, exclude=None)
+    pu.rules.base.register(_Shift(m[0].weight))
+    for x in _data(3):
+        _loss(ref, x).backward()
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.mul_(1 - 0.05 * 0.1)
+            ref[0].weight.add_(0.5)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        with pu.step(m, opt):
+            _loss(m, x).backward()
+        opt.zero_grad()
+    assert_same(snapshot(ref), snapshot(m))

@@ -322,7 +322,7 @@ class Commit:
             if any(id(row.target) in written for row in j.rows):
                 j.absorb()
         if self.rules:
-            ctx = CommitContext(self.optimizer, self.journal.index, self.journal)
+            ctx = CommitContext(self.optimizer, self.journal.index, self.journal, self.rules)
             if self.ruleset is not None:
                 self.ruleset.check(self.rules, ctx)
             else:
@@ -494,7 +494,7 @@ class Commit:
         rb = self.rollback
         rules = [r for r in self.rules if r.phase == phase]
         if rules:
-            ctx = CommitContext(self.optimizer, self.journal.index, self.journal)
+            ctx = CommitContext(self.optimizer, self.journal.index, self.journal, self.rules)
             with torch.no_grad():
                 for rule in rules:
                     written = rule.tensors()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,23 +43,38 @@ _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 class CommitContext:
     """What rules see at commit: the optimizer, the model index, the learning rate of a parameter,
-    the targets that updates issued with ``phase="before_grad"`` write in this step."""
+    and what is written in phase ``before_grad`` after a given rule (:meth:`written_before_grad_after`)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer | None, index: ModelIndex, journal: Any = None) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer | None,
+        index: ModelIndex,
+        journal: Any = None,
+        rules: Sequence[Rule] = (),
+    ) -> None:
         self.optimizer = optimizer
         self.index = index
         self.journal = journal
+        self.rules = rules  # the commit's rules, in their order
         self._lr: dict[int, float | None] | None = None
-        self._before: set[int] | None = None
 
-    def before_grad_targets(self) -> set[int]:
-        """``id()`` of the targets with updates issued in phase ``before_grad`` this step (held by the
-        journal until its commit ends)."""
-        if self._before is None:
-            j = self.journal
-            entries = j.by_phase.get(BEFORE_GRAD, ()) if j is not None else ()
-            self._before = {id(e.target) for e in entries}
-        return self._before
+    def written_before_grad_after(self, rule: Rule) -> set[int]:
+        """``id()`` of the tensors that phase ``before_grad`` writes after ``rule``: those of the
+        ``before_grad`` rules that follow it (declaration order), and the targets of the updates issued
+        with that phase (they come after every rule). Held by those rules and by the journal until the
+        commit ends. A rule that would defer its write past the phase (``pu.weight_decay`` into the
+        optimizer's kernel) must not defer it for these: they must see its result."""
+        out: set[int] = set()
+        later = False
+        for r in self.rules:
+            if r is rule:
+                later = True
+            elif later and r.phase == BEFORE_GRAD:
+                out.update(map(id, r.tensors()))
+        j = self.journal
+        if j is not None:
+            out.update(id(e.target) for e in j.by_phase.get(BEFORE_GRAD, ()))
+        return out
 
     def lr_of(self, p: torch.Tensor) -> float | None:
         """The learning rate of ``p``'s optimizer param group (None if not in it)."""

@@ -20,8 +20,9 @@ Two ways to carry it out, chosen per param group at each commit (the schedule sh
 * **the optimizer's own kernel**, where the optimizer has the same update built in: ``AdamW``, and
   ``Adam``, ``NAdam``, ``RAdam`` through their ``decoupled_weight_decay`` (every optimizer whose
   param groups carry ``decoupled_weight_decay``). For a group whose parameters with a gradient are
-  all covered, at one rate, with ``scale_by_lr=True``, and that no ``phase="before_grad"`` update of
-  this step touches, the commit sets the group's ``weight_decay`` (and ``decoupled_weight_decay``)
+  all covered, at one rate, with ``scale_by_lr=True``, and whose tensors nothing later in phase
+  ``before_grad`` writes (a ``before_grad`` rule declared after this one, an update issued with that
+  phase: they must see the decayed values), the commit sets the group's ``weight_decay`` (and ``decoupled_weight_decay``)
   for this one ``optimizer.step()`` and restores the optimizer's own settings after it (after an
   exception too). The decay then runs in the optimizer's pass over memory, in its kernel
   (``foreach``, ``fused``, any dtype): bitwise that optimizer with ``weight_decay`` set, e.g.
@@ -282,7 +283,7 @@ class WeightDecay(DeclaredRule):
 
     def run(self, ctx: CommitContext, live: list[Any]) -> None:
         (idx, factors, foreach_groups), lent, _double = self.plan
-        touched = ctx.before_grad_targets()  # what an issued before_grad update writes after the rules
+        touched = ctx.written_before_grad_after(self) if lent else set()  # must see the decayed values
         fallback: list[int] = []
         for gi, rate, covered in lent:
             if touched and any(id(live[i]) in touched for i in covered):

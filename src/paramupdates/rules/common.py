@@ -30,21 +30,23 @@ def any_none(xs: list[Any]) -> bool:
     return any(map(operator.is_, xs, itertools.repeat(None)))
 
 
-class SameObjects:
-    """A sequence compared by identity, element by element (``is``, mapped in C): a cache key that
-    keeps what it names alive, so that no ``id()`` of a dead object can match a new one, and that
-    never calls ``Tensor.__eq__``."""
+class Referents:
+    """A sequence of objects by weak reference, compared by identity, element by element: equal
+    only while each is the same live object. A cache key that keeps nothing alive, that no new
+    object can match by taking the ``id()`` of a dead one, and that never calls ``Tensor.__eq__``.
+    (CPython hands out one callback-less weak reference per object, so the same live object gives
+    the same reference, compared with ``is`` in C.)"""
 
-    __slots__ = ("objs",)
+    __slots__ = ("refs",)
 
     def __init__(self, objs: Iterable[Any]) -> None:
-        self.objs = tuple(objs)
+        self.refs = tuple(map(weakref.ref, objs))
 
     def __eq__(self, other: object) -> bool:
         return (
-            isinstance(other, SameObjects)
-            and len(self.objs) == len(other.objs)
-            and all(map(operator.is_, self.objs, other.objs))
+            isinstance(other, Referents)
+            and len(self.refs) == len(other.refs)
+            and all(map(operator.is_, self.refs, other.refs))
         )
 
     __hash__ = None  # type: ignore[assignment]

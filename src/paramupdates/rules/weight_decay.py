@@ -56,7 +56,7 @@ from ..parameter import Parameter
 from ..phases import BEFORE_GRAD
 from .base import register
 from .common import (
-    SameObjects,
+    Referents,
     adopt_known,
     any_none,
     check_declared,
@@ -162,7 +162,7 @@ class WeightDecay(DeclaredRule):
         has_grad: tuple[bool, ...] | bool = True if not any_none(grads) else tuple(g is not None for g in grads)
         return (
             weakref.ref(opt),
-            SameObjects(params),  # held by the key: no id() of a parameter that died can match
+            Referents(params),  # weakly, by identity: no id() of a parameter that died can match
             tuple([len(g["params"]) for g in groups]),
             tuple([_lr_key(g["lr"]) for g in groups]) if self.scale_by_lr else (),
             tuple([(g.get("weight_decay", 0), g.get("decoupled_weight_decay")) for g in groups]),

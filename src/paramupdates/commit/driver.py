@@ -81,7 +81,7 @@ class Commit:
         )
         pool, self.ruleset, _entries = caches if caches is not None else (None, None, None)
         self.rollback = Rollback(options.copy_for_rollback, pool)
-        self._applied: list[str] = []  # what was written so far, for the note on an exception
+        self._applied: list[str | Rule] = []  # what was written so far, for the note on an exception
         self.rules: list[Rule] = []
         self.skipped = False
         self.state = "new"  # new -> begun -> checked -> stepped -> done | aborted
@@ -418,7 +418,7 @@ class Commit:
             self._end("aborted")
 
     def _what_was_applied(self) -> str:
-        done = ", ".join(self._applied)
+        done = ", ".join(a if isinstance(a, str) else f"{a.kind} (declared at {a.origin})" for a in self._applied)
         left = [p for p in PHASES if p not in self.journal.done_phases and p != GRAD]
         return (
             f"paramupdates ({self.label}): the commit had applied {done} when this was raised; that stays "
@@ -493,18 +493,22 @@ class Commit:
         """Apply one phase: its declared rules, then its recorded updates (see the module docstring)."""
         rb = self.rollback
         rules = [r for r in self.rules if r.phase == phase]
+        j = self.journal
         if rules:
-            ctx = CommitContext(self.optimizer, self.journal.index, self.journal, self.rules)
+            ctx = CommitContext(self.optimizer, j.index, j, self.rules)
+            # what a rule writes is listed only where it is needed: to copy it first (rollback), or to
+            # classify recorded updates of a later phase (no Python work per tensor otherwise)
+            listed = rb.needs_copies() or bool(j.entries)
             with torch.no_grad():
                 for rule in rules:
-                    written = rule.tensors()
-                    rb.protect(written)
+                    if listed:
+                        written = rule.tensors()
+                        rb.protect(written)
+                        self._dirty_pending.append(written)
                     rule.apply(ctx)
                     rb.applied(rule)
-                    self._applied.append(f"{rule.kind} (declared at {rule.origin})")
-                    self._dirty_pending.append(written)
+                    self._applied.append(rule)
                     rb.stage_done(not rule.infallible)
-        j = self.journal
         in_phase = j.by_phase.get(phase, ())
         rows = phase == AUXILIARY and j.rows
         if not in_phase and not rows:

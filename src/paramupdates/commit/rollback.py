@@ -149,6 +149,10 @@ class Rollback:
             if id(r) not in self._applied:
                 r.restore(saved)
 
+    def needs_copies(self) -> bool:
+        """Whether :meth:`protect` copies anything now (copies on, a fallible stage still to come)."""
+        return self.enabled and self.fallible_left > 0
+
     def stage_done(self, fallible: bool) -> None:
         """One stage of the commit has run (a fallible one lowers the count)."""
         if fallible:

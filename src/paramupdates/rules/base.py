@@ -208,9 +208,15 @@ class Rule:
         """After :meth:`check`: the tensors whose storage the rule's plan depends on (None: no fast path)."""
         return None
 
+    def bound(self) -> Any:
+        """After :meth:`check`: what :meth:`apply` needs beyond the plan, made from ``held`` (the
+        foreach lists), for the ``RuleSet`` to keep and hand back to :meth:`revalidate` (``None``: nothing)."""
+        return None
+
     def revalidate(self, ctx: CommitContext, held: list[torch.Tensor]) -> bool:
         """In place of :meth:`check` when the storage of :meth:`fingerprint` (``held``) is unchanged:
-        re-check the rest cheaply and get ready to apply; False: run the full :meth:`check`."""
+        re-check the rest cheaply and get ready to apply; False: run the full :meth:`check`. A rule whose
+        :meth:`bound` is not ``None`` is called with it as a third argument."""
         return False
 
     # --- the schedule ------------------------------------------------------
@@ -397,6 +403,7 @@ class RuleSet:
         self._sig: tuple[Any, ...] | None = None
         self._rules: list[Rule] = []
         self._held: list[list[torch.Tensor]] = []
+        self._bound: list[Any] = []
         self._union: list[torch.Tensor] = []
         self._key: tuple[int, ...] | None = None
         self._sub = False
@@ -405,6 +412,7 @@ class RuleSet:
     def check(self, rules: list[Rule], ctx: CommitContext) -> None:
         """Check every rule of a commit before it writes (raises what a rule's check raises)."""
         if not self._revalidate(rules, ctx):
+            self.clear()  # (let go of the tensors first: a rule must see which of its own died)
             for rule in rules:
                 rule.check(ctx)
             self._record(rules, ctx)
@@ -420,7 +428,10 @@ class RuleSet:
             return False
         if storage_key(self._union, self._sub, self._sharded) != self._key:
             return False
-        return all(rule.revalidate(ctx, held) for rule, held in zip(rules, self._held))
+        for rule, held, bound in zip(rules, self._held, self._bound):
+            if not (rule.revalidate(ctx, held) if bound is None else rule.revalidate(ctx, held, bound)):
+                return False
+        return True
 
     def _record(self, rules: list[Rule], ctx: CommitContext) -> None:
         held = [rule.fingerprint() for rule in rules]
@@ -439,9 +450,10 @@ class RuleSet:
         self._key = storage_key(union, self._sub, self._sharded)
         self._union = union
         self._held = held  # type: ignore[assignment]
+        self._bound = [rule.bound() for rule in rules]
         self._rules = list(rules)
         self._sig = self._signature(rules, ctx)
 
     def clear(self) -> None:
         """Forget the last full check: the next commit runs every rule's full check."""
-        self._sig, self._rules, self._held, self._union, self._key = None, [], [], [], None
+        self._sig, self._rules, self._held, self._bound, self._union, self._key = None, [], [], [], [], None

@@ -49,6 +49,13 @@ class Referents:
             and all(map(operator.is_, self.refs, other.refs))
         )
 
+    def same(self, objs: list[Any]) -> bool:
+        """Whether ``objs`` are these objects, in order (one pass in C, no new references made; traced by
+        dynamo as a comparison of new references, which it folds into its guards)."""
+        if torch.compiler.is_compiling():
+            return self == Referents(objs)
+        return len(objs) == len(self.refs) and all(map(operator.is_, map(operator.call, self.refs), objs))
+
     __hash__ = None  # type: ignore[assignment]
 
 

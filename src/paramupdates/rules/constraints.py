@@ -526,7 +526,17 @@ class Constrain(DeclaredRule):
                 return self.constraint.plan(sharding.locals_of([ts[i] for i in self._local_idx]), self.norms)
             return self.constraint.plan(ts, self.norms) if self.foreach else None
 
-    def run(self, ctx: CommitContext, live: list[Any]) -> None:
+    def bind(self, ctx: CommitContext, live: list[Any]) -> Any:
+        """The live tensors, in order (the foreach path of a constraint on plain tensors)."""
+        if self._sharded or not self.foreach:
+            return None
+        return [t for t in live if t is not None]
+
+    def run(self, ctx: CommitContext, live: list[Any], args: Any) -> None:
+        if args is not None:
+            with plain_if(self._sub):
+                _multi_tensor_constraint(self.constraint, args, self.plan)
+            return
         ts = [t for t in live if t is not None]
         if self._sharded:  # DTensors: local shards, and one all-reduce for norms over sharded dims
             from ._sharded import apply_norms

@@ -9,12 +9,17 @@ tested against each other (``tests/test_rule_paths.py``). :class:`DeclaredRule` 
   the module the rule was declared on (or, once known, the model that owns them);
 * the *plan* (groups, factors, pairs), made by :meth:`DeclaredRule.make_plan` when what it depends
   on changed, and kept between commits as indices into the tensors, never the tensors;
-* revalidation: a commit whose model, tensors and :meth:`DeclaredRule.plan_key` are those of the
-  last full check reuses the plan after one pass over the tensors' storage (``RuleSet``);
-* the tensors held for one commit only (``_live``), released by every way out of it.
+* the *arguments* of the math (:meth:`DeclaredRule.bind`: the plan's tensor lists, ready for the
+  foreach kernels), made at a full check and kept between commits by the ``RuleSet`` that holds the
+  tensors anyway, never by the rule;
+* revalidation: a commit whose model, tensors and plan key (:meth:`DeclaredRule.same_plan`) are those
+  of the last full check reuses the plan and its arguments after one pass over the tensors' storage
+  (``RuleSet``), with no Python work per tensor;
+* the tensors held for one commit only (``_live``, ``_args``), released by every way out of it.
 
 A subclass sets ``phase``/``kind``, builds ``names`` and ``_tensors`` in ``__init__`` (through
-:meth:`DeclaredRule.hold`), and implements :meth:`plan_key`, :meth:`make_plan` and :meth:`run`.
+:meth:`DeclaredRule.hold`), and implements :meth:`plan_key`, :meth:`make_plan` and :meth:`run`
+(and, for the fast path, :meth:`bind`).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ class DeclaredRule(OnTensorList, Rule):
         self._key: tuple | None = None
         self.plan: Any = None
         self._live: list[Any] = []
+        self._args: Any = None
 
     # --- what a subclass provides ------------------------------------------------------------------
     def plan_key(self, ctx: CommitContext, live: list[Any]) -> Any:
@@ -55,8 +61,18 @@ class DeclaredRule(OnTensorList, Rule):
         """The plan for ``live`` (the declared tensors now, ``None`` where one died): validate, group."""
         raise NotImplementedError
 
-    def run(self, ctx: CommitContext, live: list[Any]) -> None:
-        """Apply the math to ``live`` with :attr:`plan` (under ``torch.no_grad()``)."""
+    def same_plan(self, ctx: CommitContext, live: list[Any]) -> bool:
+        """Whether :meth:`plan_key` is that of the last full check (a subclass may compare cheaper)."""
+        return self._key is not None and self.plan_key(ctx, live) == self._key[0]
+
+    def bind(self, ctx: CommitContext, live: list[Any]) -> Any:
+        """The arguments of :meth:`run` made from :attr:`plan` and ``live`` (the lists the kernels take),
+        or ``None``: :meth:`run` makes them each commit. Held strongly, by the ``RuleSet`` between commits."""
+        return None
+
+    def run(self, ctx: CommitContext, live: list[Any], args: Any) -> None:
+        """Apply the math to ``live`` with :attr:`plan` (under ``torch.no_grad()``); ``args``: what
+        :meth:`bind` made for this plan and these tensors."""
         raise NotImplementedError
 
     # --- ownership ---------------------------------------------------------------------------------
@@ -82,20 +98,26 @@ class DeclaredRule(OnTensorList, Rule):
             self.plan = self.make_plan(ctx, live)
             self._key = key
         self._live = live  # held for this commit only
+        self._args = self.bind(ctx, live)
 
     def fingerprint(self) -> list[torch.Tensor] | None:
         live = self._live
         return None if not live or any_none(live) else live
 
-    def revalidate(self, ctx: CommitContext, held: list[torch.Tensor]) -> bool:
-        if self._key is None or self.plan_key(ctx, held) != self._key[0]:
+    def bound(self) -> Any:
+        return self._args
+
+    def revalidate(self, ctx: CommitContext, held: list[torch.Tensor], bound: Any = None) -> bool:
+        if not self.same_plan(ctx, held):
             return False
-        self._live = held  # the plan depends on the storage, which the caller checked, and the key
+        # the plan depends on the storage, which the caller checked, and the key; its arguments on both
+        self._live, self._args = held, bound
         return True
 
     def apply(self, ctx: CommitContext) -> None:
         live, self._live = self._live, []
-        self.run(ctx, live)
+        args, self._args = self._args, None
+        self.run(ctx, live, args)
 
     def restore(self, saved: Any) -> None:
-        self._live = []  # a failed commit: hold nothing past it
+        self._live, self._args = [], None  # a failed commit: hold nothing past it

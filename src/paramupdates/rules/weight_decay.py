@@ -103,9 +103,9 @@ def skip_1d(name: str, tensor: torch.Tensor) -> bool:
 
 
 def _lr_key(lr: Any) -> Any:
-    """A learning rate as a plan key: a number as itself, a tensor (``capturable``) by a weak reference
-    (its value is not read on the host: no sync)."""
-    return lr if isinstance(lr, int | float) else weakref.ref(lr)
+    """A learning rate as a plan key: a number as itself, a tensor (``capturable``) by identity, weakly
+    (its value is not read on the host: no sync; no ``Tensor.__eq__``)."""
+    return lr if isinstance(lr, int | float) else Referents([lr])
 
 
 class WeightDecay(DeclaredRule):
@@ -149,25 +149,55 @@ class WeightDecay(DeclaredRule):
     # --- the plan -------------------------------------------------------------------------------------
     def plan_key(self, ctx: CommitContext, live: list[Any]) -> Any:
         """The optimizer and the layout of its groups (which parameters, by identity, their lr, own
-        decay, ``decoupled_weight_decay``), and which of its parameters have a gradient: every one,
-        not only the covered ones, since a group may decay in its own kernel only while each of its
-        stepped parameters is covered (a parameter that gets its first gradient later changes that)."""
+        decay, ``decoupled_weight_decay``), and which parameters have a gradient: where a group may
+        decay in its optimizer's kernel, every parameter of the optimizer (a group decays there only
+        while each of its stepped parameters is covered, and a parameter that gets its first gradient
+        later changes that); otherwise the covered ones."""
         opt = ctx.optimizer
         if opt is None:
             return None
         groups = opt.param_groups
         params = list(itertools.chain.from_iterable([g["params"] for g in groups]))
-        with plain_if(self._sub):
-            grads = list(map(_grad_of, params))
-        has_grad: tuple[bool, ...] | bool = True if not any_none(grads) else tuple(g is not None for g in grads)
+        layout = self._layout(groups)
         return (
             weakref.ref(opt),
             Referents(params),  # weakly, by identity: no id() of a parameter that died can match
+            layout,
+            self._grad_key(params if layout[2] else [t for t in live if t is not None]),
+        )
+
+    def same_plan(self, ctx: CommitContext, live: list[Any]) -> bool:
+        """:meth:`plan_key` compared with the last one piece by piece, cheapest first, without making
+        it: per group, then one identity pass over the optimizer's parameters and one over the
+        gradients (both mapped in C: no Python work per tensor)."""
+        if self._key is None:
+            return False
+        key, opt = self._key[0], ctx.optimizer
+        if key is None or opt is None:
+            return key is None and opt is None
+        opt_ref, refs, layout, grad_key = key
+        if opt_ref() is not opt:
+            return False
+        groups = opt.param_groups
+        if self._layout(groups) != layout:
+            return False
+        params = list(itertools.chain.from_iterable([g["params"] for g in groups]))
+        return refs.same(params) and self._grad_key(params if layout[2] else live) == grad_key
+
+    def _layout(self, groups: list[dict]) -> tuple:
+        """``(group sizes, lrs, own decays, whether a group can decay in its kernel)``, per group."""
+        return (
             tuple([len(g["params"]) for g in groups]),
             tuple([_lr_key(g["lr"]) for g in groups]) if self.scale_by_lr else (),
             tuple([(g.get("weight_decay", 0), g.get("decoupled_weight_decay")) for g in groups]),
-            has_grad,
+            self.scale_by_lr and any(["decoupled_weight_decay" in g for g in groups]),
         )
+
+    def _grad_key(self, ts: list[torch.Tensor]) -> tuple[bool, ...] | bool:
+        """Which of ``ts`` have a gradient (``True``: all of them)."""
+        with plain_if(self._sub):
+            grads = list(map(_grad_of, ts))
+        return True if not any_none(grads) else tuple([g is not None for g in grads])
 
     def make_plan(self, ctx: CommitContext, live: list[Any]) -> Any:
         """``(separate, lent, double)``: the separate pass (per device and dtype: indices and factors),
@@ -238,8 +268,8 @@ class WeightDecay(DeclaredRule):
         super().check(ctx)
         self._refuse_double(ctx)
 
-    def revalidate(self, ctx: CommitContext, held: list[torch.Tensor]) -> bool:
-        if not super().revalidate(ctx, held):
+    def revalidate(self, ctx: CommitContext, held: list[torch.Tensor], bound: Any = None) -> bool:
+        if not super().revalidate(ctx, held, bound):
             return False
         self._refuse_double(ctx)
         return True
@@ -281,8 +311,19 @@ class WeightDecay(DeclaredRule):
         finally:
             self._live = saved
 
-    def run(self, ctx: CommitContext, live: list[Any]) -> None:
+    def bind(self, ctx: CommitContext, live: list[Any]) -> Any:
+        """The separate pass's foreach lists: ``[(tensors, factors)]`` per device and dtype (plain
+        tensors, foreach path; a DTensor's local shard is looked up at each commit)."""
+        if self.plan is None or not self.foreach or sharding.any_sharded(live):
+            return None
+        return [([live[i] for i in js], fs) for js, fs in self.plan[0][2]]
+
+    def run(self, ctx: CommitContext, live: list[Any], args: Any) -> None:
         (idx, factors, foreach_groups), lent, _double = self.plan
+        if args is not None and not lent:
+            with plain_if(self._sub):
+                _multi_tensor_weight_decay(args)
+            return
         touched = ctx.written_before_grad_after(self) if lent else set()  # must see the decayed values
         fallback: list[int] = []
         for gi, rate, covered in lent:

@@ -476,9 +476,10 @@ def _bn_net():
     return nn.Sequential(nn.Linear(4, 8, bias=False), pu.nn.BatchNorm1d(8), nn.Linear(8, 2))
 
 
-def _compiled_opt_step_run(make_opt, backend, steps=6):
+def _compiled_opt_step_run(make_opt, backend, steps=6, other=None):
     """Train a batch-norm net with weight decay, max_norm and EMA under pu.attach, stepping with
-    ``torch.compile(opt.step)`` when ``backend`` is given; returns the state and the graph counts."""
+    ``torch.compile(opt.step)`` when ``backend`` is given; returns the state, the graph counts and
+    the graph breaks. ``other``: a second model, with rules of its own, in the same process."""
     pu.testing.reset()
     torch._dynamo.reset()
     counters.clear()
@@ -488,6 +489,9 @@ def _compiled_opt_step_run(make_opt, backend, steps=6):
     pu.constrain([m[0].weight], pu.max_norm(0.5))
     avg = pu.ema(m, 0.9)
     pu.attach(m, opt)
+    if other is not None:  # (its rules are in the process's registry, which every commit goes through)
+        pu.weight_decay(other, 0.1)
+        pu.ema(other, 0.5)
     step = torch.compile(opt.step, backend=backend) if backend else opt.step
     g = torch.Generator().manual_seed(3)
     graphs = []
@@ -496,8 +500,9 @@ def _compiled_opt_step_run(make_opt, backend, steps=6):
         step()
         opt.zero_grad()
         graphs.append(counters["stats"]["unique_graphs"])
+    breaks = dict(counters["graph_break"])  # every break of every step's trace, not only explain's
     m(torch.randn(16, 4, generator=g)).square().sum().backward()  # gradients for explain's step
-    return snapshot(m) + snapshot(avg), graphs, opt
+    return snapshot(m) + snapshot(avg), graphs, opt, breaks
 
 
 @pytest.mark.parametrize(
@@ -514,9 +519,12 @@ def test_compiled_optimizer_step_compiles_the_commit_with_it(make_opt, backend):
     break but the two ``torch.optim`` puts in every step (``_use_grad``: before and after the update);
     no recompilation once the optimizer's state exists; the state is the eager commit's (bitwise with
     the eager backend, to float rounding with inductor, whose Adam computes in another order)."""
-    eager, _, _ = _compiled_opt_step_run(make_opt, None)
-    compiled, graphs, opt = _compiled_opt_step_run(make_opt, backend)
+    eager, _, _, _ = _compiled_opt_step_run(make_opt, None)
+    compiled, graphs, opt, breaks = _compiled_opt_step_run(make_opt, backend)
     assert graphs[2:] == [graphs[2]] * len(graphs[2:]), graphs  # no new graph after the 3rd step
+    # the traces of the steps (the first full check, then revalidation) break only where torch.optim
+    # does (_use_grad's torch._dynamo.graph_break()): not at a data-pointer or weak-reference comparison
+    assert breaks and all(k.startswith("Call to `torch._dynamo.graph_break()`") for k in breaks), breaks
     if backend == "eager":
         assert_same(eager, compiled)
     else:
@@ -528,3 +536,17 @@ def test_compiled_optimizer_step_compiles_the_commit_with_it(make_opt, backend):
     for reason in explained.break_reasons:
         top = reason.user_stack[-1]
         assert top.filename.endswith(("torch/optim/optimizer.py",)) and top.name == "_use_grad", reason
+
+
+def test_compiled_optimizer_step_beside_another_model_with_rules():
+    """The first commit of a traced step finds this model's rules among every declared rule of the
+    process; another model's rules there make the model index rebuild on a miss, which must not
+    break the graph (it walks the stack to detect torch.func.functional_call, which dynamo cannot
+    trace: a trace keeps the index as last built)."""
+    other = nn.Sequential(nn.Linear(3, 3))
+    make_opt = lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9)  # noqa: E731
+    eager, _, _, _ = _compiled_opt_step_run(make_opt, None, steps=4, other=other)
+    compiled, graphs, _, breaks = _compiled_opt_step_run(make_opt, "eager", steps=4, other=other)
+    assert_same(eager, compiled)
+    assert graphs[2:] == [graphs[2]] * len(graphs[2:]), graphs
+    assert breaks and all(k.startswith("Call to `torch._dynamo.graph_break()`") for k in breaks), breaks

@@ -54,8 +54,13 @@ class ModelIndex:
         a pending value (read-your-writes, rule 1): the stored tensor behind it is indexed, never
         the pending value (whose updates would then be committed into it, not into the buffer)."""
         model = self.model
-        if not self.reparametrized and self.by_id and reparametrizing():
-            return  # the slots hold the tensors passed to torch.func.functional_call, not the model's
+        if not self.reparametrized and self.by_id and (torch.compiler.is_compiling() or reparametrizing()):
+            # the slots hold the tensors passed to torch.func.functional_call, not the model's; or a
+            # traced commit (torch.compile(opt.step)): dynamo cannot walk the stack to tell, so a trace
+            # keeps the index as last built (eagerly, or by the first trace), and tracing never breaks
+            # the graph here. Dynamo guards what the trace read from it (each tensor, through a weak
+            # reference): a replaced tensor retraces
+            return
         by_id: dict[int, TargetInfo] = {}
         modules: dict[int, tuple[weakref.ref, str]] = {}
         journals = routing.live_journals(routing.PROCESS)

@@ -43,18 +43,20 @@ class Referents:
         self.refs = tuple(map(weakref.ref, objs))
 
     def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, Referents)
-            and len(self.refs) == len(other.refs)
-            and all(map(operator.is_, self.refs, other.refs))
-        )
+        if not isinstance(other, Referents) or len(self.refs) != len(other.refs):
+            return False
+        if torch.compiler.is_compiling():  # (dynamo cannot compare two weak references; it can call them)
+            return all(a() is b() for a, b in zip(self.refs, other.refs))
+        return all(map(operator.is_, self.refs, other.refs))
 
     def same(self, objs: list[Any]) -> bool:
         """Whether ``objs`` are these objects, in order (one pass in C, no new references made; traced by
-        dynamo as a comparison of new references, which it folds into its guards)."""
+        dynamo as an identity test of each referent, which it folds into its guards)."""
+        if len(objs) != len(self.refs):
+            return False
         if torch.compiler.is_compiling():
-            return self == Referents(objs)
-        return len(objs) == len(self.refs) and all(map(operator.is_, map(operator.call, self.refs), objs))
+            return all(r() is o for r, o in zip(self.refs, objs))
+        return all(map(operator.is_, map(operator.call, self.refs), objs))
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -322,6 +324,12 @@ def storage_key(ts: list[torch.Tensor], sub: bool = True, sharded: bool = True) 
     """
     if sharded:
         ts = sharding.locals_of(ts)
+    if torch.compiler.is_compiling():
+        # dynamo cannot compare data pointers. What a traced plan depends on is what dynamo guards per
+        # tensor (dtype, device, shape): a change retraces, and the retrace compares this key. The graph
+        # reads each tensor's storage as it is at the call. One hash, not a tuple: dynamo guards a
+        # constant the trace compares element by element (thousands of guards, run at every call).
+        return (hash(tuple((t.dtype, t.device, t.shape) for t in ts)),)
     with plain_if(sub):
         return tuple(map(_data_ptr, ts))
 

@@ -41,7 +41,6 @@ written, naming the parameters and the fix.
 from __future__ import annotations
 
 import itertools
-import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -160,7 +159,7 @@ class WeightDecay(DeclaredRule):
         params = list(itertools.chain.from_iterable([g["params"] for g in groups]))
         layout = self._layout(groups)
         return (
-            weakref.ref(opt),
+            Referents([opt]),  # (not a weakref.ref: a traced commit compares keys, and dynamo cannot compare those)
             Referents(params),  # weakly, by identity: no id() of a parameter that died can match
             layout,
             self._grad_key(params if layout[2] else [t for t in live if t is not None]),
@@ -176,7 +175,7 @@ class WeightDecay(DeclaredRule):
         if key is None or opt is None:
             return key is None and opt is None
         opt_ref, refs, layout, grad_key = key
-        if opt_ref() is not opt:
+        if not opt_ref.same([opt]):
             return False
         groups = opt.param_groups
         if self._layout(groups) != layout:
@@ -298,9 +297,11 @@ class WeightDecay(DeclaredRule):
     def decayed(self) -> list[torch.Tensor]:
         """The tensors the last commit decayed, by either path."""
         (idx, _f, _g), lent, _double = self.plan
-        positions = sorted([*idx, *(i for _gi, _r, covered in lent for i in covered)])
+        positions = list(idx)
+        for _gi, _r, covered in lent:
+            positions.extend(covered)
         live = self._tensors.current()
-        return [t for i in positions if (t := live[i]) is not None]
+        return [live[i] for i in sorted(positions) if live[i] is not None]
 
     def rows(self, index: Any) -> list[Any]:
         if self.plan is None:

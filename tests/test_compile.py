@@ -550,3 +550,24 @@ def test_compiled_optimizer_step_beside_another_model_with_rules():
     assert_same(eager, compiled)
     assert graphs[2:] == [graphs[2]] * len(graphs[2:]), graphs
     assert breaks and all(k.startswith("Call to `torch._dynamo.graph_break()`") for k in breaks), breaks
+
+
+def test_referents_compare_by_identity_when_traced_as_in_eager():
+    """The cache keys' weak references (``Referents``) compare the same under dynamo as eagerly: the
+    same live objects are equal, other objects are not, and two dead referents are not the same."""
+    from paramupdates.rules.common import Referents
+
+    a, b = torch.zeros(1), torch.zeros(1)
+    gone = [torch.zeros(1)]
+    dead_x, dead_y = Referents(gone), Referents([torch.zeros(1)])
+    gone.clear()  # both referents are collected now
+
+    def compare(x, y):
+        return x == y, Referents([a, b]).same([a, b]), Referents([a, b]).same([b, a])
+
+    traced = torch.compile(compare, backend="eager", fullgraph=True)
+    for fn in (compare, traced):
+        torch._dynamo.reset()
+        assert fn(Referents([a, b]), Referents([a, b])) == (True, True, False)
+        assert fn(Referents([a, b]), Referents([b, a]))[0] is False
+        assert fn(dead_x, dead_y)[0] is False

@@ -46,7 +46,11 @@ class Referents:
         if not isinstance(other, Referents) or len(self.refs) != len(other.refs):
             return False
         if torch.compiler.is_compiling():  # (dynamo cannot compare two weak references; it can call them)
-            return all(a() is b() for a, b in zip(self.refs, other.refs))
+            for a, b in zip(self.refs, other.refs):
+                x = a()
+                if x is None or x is not b():  # (two dead referents are not the same object)
+                    return False
+            return True
         return all(map(operator.is_, self.refs, other.refs))
 
     def same(self, objs: list[Any]) -> bool:

@@ -213,10 +213,10 @@ class Rule:
         foreach lists), for the ``RuleSet`` to keep and hand back to :meth:`revalidate` (``None``: nothing)."""
         return None
 
-    def revalidate(self, ctx: CommitContext, held: list[torch.Tensor]) -> bool:
+    def revalidate(self, ctx: CommitContext, held: list[torch.Tensor], bound: Any = None) -> bool:
         """In place of :meth:`check` when the storage of :meth:`fingerprint` (``held``) is unchanged:
-        re-check the rest cheaply and get ready to apply; False: run the full :meth:`check`. A rule whose
-        :meth:`bound` is not ``None`` is called with it as a third argument."""
+        re-check the rest cheaply and get ready to apply; False: run the full :meth:`check`. ``bound``:
+        what :meth:`bound` returned after the last full check."""
         return False
 
     # --- the schedule ------------------------------------------------------
@@ -428,10 +428,7 @@ class RuleSet:
             return False
         if storage_key(self._union, self._sub, self._sharded) != self._key:
             return False
-        for rule, held, bound in zip(rules, self._held, self._bound):
-            if not (rule.revalidate(ctx, held) if bound is None else rule.revalidate(ctx, held, bound)):
-                return False
-        return True
+        return all(rule.revalidate(ctx, held, bound) for rule, held, bound in zip(rules, self._held, self._bound))
 
     def _record(self, rules: list[Rule], ctx: CommitContext) -> None:
         held = [rule.fingerprint() for rule in rules]

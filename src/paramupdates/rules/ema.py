@@ -386,7 +386,7 @@ class EMA(Rule):
     def fingerprint(self) -> list[torch.Tensor] | None:
         return self._pairs
 
-    def revalidate(self, ctx: CommitContext, held: list[torch.Tensor]) -> bool:
+    def revalidate(self, ctx: CommitContext, held: list[torch.Tensor], bound: Any = None) -> bool:
         if self._key is None:
             return False
         self._weight = 1.0 - self.decay_at(self.updates)

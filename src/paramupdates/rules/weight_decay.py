@@ -317,7 +317,7 @@ class WeightDecay(DeclaredRule):
         tensors, foreach path; a DTensor's local shard is looked up at each commit)."""
         if self.plan is None or not self.foreach or sharding.any_sharded(live):
             return None
-        return [([live[i] for i in js], fs) for js, fs in self.plan[0][2]]
+        return _foreach_lists(live, self.plan[0][2])
 
     def run(self, ctx: CommitContext, live: list[Any], args: Any) -> None:
         (idx, factors, foreach_groups), lent, _double = self.plan
@@ -344,13 +344,18 @@ class WeightDecay(DeclaredRule):
             if not self.foreach:  # the reference path: one tensor at a time
                 _single_tensor_weight_decay([ts[i] for i in idx], factors)
             else:
-                _multi_tensor_weight_decay([([ts[i] for i in js], fs) for js, fs in foreach_groups])
+                _multi_tensor_weight_decay(_foreach_lists(ts, foreach_groups))
 
     def optimizer_done(self) -> None:
         """The optimizer's step is over (or failed): its param groups get their own settings back."""
         lent, self._lent = self._lent, []
         for g, own in lent:
             g.update(own)
+
+
+def _foreach_lists(ts: list[Any], foreach_groups: list[tuple[list[int], Any]]) -> list[tuple[list[Any], Any]]:
+    """The separate pass's ``[(tensors, factors)]`` per device and dtype, from the plan's positions."""
+    return [([ts[i] for i in js], fs) for js, fs in foreach_groups]
 
 
 def _group_of(opt: torch.optim.Optimizer) -> dict[int, int]:

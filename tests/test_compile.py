@@ -479,7 +479,9 @@ def _bn_net():
 def _compiled_opt_step_run(make_opt, backend, steps=6, other=None):
     """Train a batch-norm net with weight decay, max_norm and EMA under pu.attach, stepping with
     ``torch.compile(opt.step)`` when ``backend`` is given; returns the state, the graph counts and
-    the graph breaks. ``other``: a second model, with rules of its own, in the same process."""
+    the graph breaks, and (model, attachment): an attachment holds its model weakly, so a caller that steps
+    again keeps it alive (a collected model takes its rules with it, and the collection can land in
+    the middle of a trace). ``other``: a second model, with rules of its own, in the same process."""
     pu.testing.reset()
     torch._dynamo.reset()
     counters.clear()
@@ -488,7 +490,7 @@ def _compiled_opt_step_run(make_opt, backend, steps=6, other=None):
     pu.weight_decay(m, 0.1)
     pu.constrain([m[0].weight], pu.max_norm(0.5))
     avg = pu.ema(m, 0.9)
-    pu.attach(m, opt)
+    att = pu.attach(m, opt)
     if other is not None:  # (its rules are in the process's registry, which every commit goes through)
         pu.weight_decay(other, 0.1)
         pu.ema(other, 0.5)
@@ -502,7 +504,7 @@ def _compiled_opt_step_run(make_opt, backend, steps=6, other=None):
         graphs.append(counters["stats"]["unique_graphs"])
     breaks = dict(counters["graph_break"])  # every break of every step's trace, not only explain's
     m(torch.randn(16, 4, generator=g)).square().sum().backward()  # gradients for explain's step
-    return snapshot(m) + snapshot(avg), graphs, opt, breaks
+    return snapshot(m) + snapshot(avg), graphs, opt, breaks, (m, att)
 
 
 def _assert_only_torch_optim_breaks(breaks):
@@ -525,8 +527,8 @@ def test_compiled_optimizer_step_compiles_the_commit_with_it(make_opt, backend):
     break but the two ``torch.optim`` puts in every step (``_use_grad``: before and after the update);
     no recompilation once the optimizer's state exists; the state is the eager commit's (bitwise with
     the eager backend, to float rounding with inductor, whose Adam computes in another order)."""
-    eager, _, _, _ = _compiled_opt_step_run(make_opt, None)
-    compiled, graphs, opt, breaks = _compiled_opt_step_run(make_opt, backend)
+    eager, *_ = _compiled_opt_step_run(make_opt, None)
+    compiled, graphs, opt, breaks, (model, att) = _compiled_opt_step_run(make_opt, backend)
     assert graphs[2:] == [graphs[2]] * len(graphs[2:]), graphs  # no new graph after the 3rd step
     # the traces of the steps (the first full check, then revalidation) break only where torch.optim
     # does (_use_grad's torch._dynamo.graph_break()): not at a data-pointer or weak-reference comparison
@@ -537,8 +539,11 @@ def test_compiled_optimizer_step_compiles_the_commit_with_it(make_opt, backend):
         for (n, a), (_, b) in zip(eager, compiled):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=n)
     assert opt.param_groups[0]["weight_decay"] == 0  # the optimizer's own setting, restored
-    explained = torch._dynamo.explain(opt.step)()
-    assert explained.graph_count >= 1 and explained.graph_break_count == len(explained.break_reasons) <= 2
+    explained = torch._dynamo.explain(opt.step)()  # a step of the live model, with its rules
+    assert att.model is model and att.steps == 7, "explain's step is a commit of the model's rules"
+    # three graphs: before, between and after torch.optim's two graph_break()s (the pre-hook's phases,
+    # the update, the post-hook's phases); every reason recorded is torch.optim's own
+    assert explained.graph_count <= 3 and 1 <= len(explained.break_reasons) <= 2, explained
     for reason in explained.break_reasons:
         top = reason.user_stack[-1]
         assert top.filename.endswith(("torch/optim/optimizer.py",)) and top.name == "_use_grad", reason
@@ -551,8 +556,8 @@ def test_compiled_optimizer_step_beside_another_model_with_rules():
     trace: a trace keeps the index as last built)."""
     other = nn.Sequential(nn.Linear(3, 3))
     make_opt = lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9)  # noqa: E731
-    eager, _, _, _ = _compiled_opt_step_run(make_opt, None, steps=4, other=other)
-    compiled, graphs, _, breaks = _compiled_opt_step_run(make_opt, "eager", steps=4, other=other)
+    eager, *_ = _compiled_opt_step_run(make_opt, None, steps=4, other=other)
+    compiled, graphs, _, breaks, _ = _compiled_opt_step_run(make_opt, "eager", steps=4, other=other)
     assert_same(eager, compiled)
     assert graphs[2:] == [graphs[2]] * len(graphs[2:]), graphs
     _assert_only_torch_optim_breaks(breaks)

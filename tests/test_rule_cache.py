@@ -117,7 +117,7 @@ def _cast(m, opt):
         st.update({k: v.double() for k, v in st.items() if torch.is_tensor(v)})
 
 
-@pytest.mark.parametrize("change", [_lr, _no_grad_for_first_layer, _new_storage], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("change", [_no_grad_for_first_layer, _new_storage], ids=lambda f: f.__name__)
 def test_a_change_between_commits_reaches_the_full_checks(full_checks, change):
     m = _net()
     opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.5)
@@ -129,6 +129,22 @@ def test_a_change_between_commits_reaches_the_full_checks(full_checks, change):
         _step(m, opt, stepper, i)
     assert full_checks["weight_decay"] >= 2  # the first commit and the one after the change
     ref, ref_opt, ref_avg = _reference(5, change)
+    assert_same(snapshot(ref, ref_avg), snapshot(m, averaged))
+
+
+def test_a_new_learning_rate_is_read_at_commit_without_a_full_check(full_checks):
+    """A schedule changes the learning rate every step: the decay's factors are made from it at each
+    commit (not part of the plan), and the result is that of the full checks."""
+    m = _net()
+    opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.5)
+    averaged = _declare(m)
+    stepper = pu.Stepper(m, opt)
+    for i in range(5):
+        if i == 2:
+            _lr(m, opt)
+        _step(m, opt, stepper, i)
+    assert full_checks == {"weight_decay": 1, "constrain": 1, "ema": 1}
+    ref, ref_opt, ref_avg = _reference(5, _lr)
     assert_same(snapshot(ref, ref_avg), snapshot(m, averaged))
 
 

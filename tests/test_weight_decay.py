@@ -479,3 +479,67 @@ def test_a_later_before_grad_rule_sees_the_decayed_parameter():
             _loss(m, x).backward()
         opt.zero_grad()
     assert_same(snapshot(ref), snapshot(m))
+
+
+def _sgd_with_schedule(m, lr):
+    """SGD over two param groups (lr and lr / 2) with a schedule that changes the lr every step."""
+    groups = [{"params": list(m[0].parameters())}, {"params": list(m[2].parameters()), "lr": lr / 2}]
+    opt = torch.optim.SGD(groups, lr=lr)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + s))
+
+
+def _by_hand(ref, opt, sched, rates, x):
+    """The reference step: p.mul_(1 - lr * rate) with the lr p's group has now, then torch's own SGD step."""
+    _loss(ref, x).backward()
+    with torch.no_grad():
+        for g in opt.param_groups:
+            for p in g["params"]:
+                if rates[p]:
+                    p.mul_(1 - g["lr"] * rates[p])
+    opt.step()
+    opt.zero_grad()
+    sched.step()
+
+
+@pytest.mark.parametrize("tensor_lr", [False, True], ids=["float lr", "tensor lr"])
+def test_a_learning_rate_schedule_is_followed_every_step(tensor_lr):
+    """The factors 1 - lr * rate are made at each commit from the learning rate the group has then: a
+    schedule (a new float each step, or a tensor lr that the scheduler fills in place) decays by each
+    step's lr, bitwise the hand-written decay before torch's SGD. (With a tensor lr filled in place, the
+    first step's factors were kept before.)"""
+    torch.manual_seed(0)
+    m = _net()
+    ref = copy.deepcopy(m)
+    lr = (lambda: torch.tensor(0.2)) if tensor_lr else (lambda: 0.2)
+    opt, sched = _sgd_with_schedule(m, lr())
+    ref_opt, ref_sched = _sgd_with_schedule(ref, lr())
+    pu.weight_decay(m, 0.05)
+    rates = {p: 0.05 if p.ndim > 1 else 0.0 for p in ref.parameters()}
+    for x in _data():
+        with pu.step(m, opt):
+            _loss(m, x).backward()
+        opt.zero_grad()
+        sched.step()
+        _by_hand(ref, ref_opt, ref_sched, rates, x)
+    assert_same(snapshot(ref), snapshot(m))
+    assert float(opt.param_groups[0]["lr"]) < 0.2  # the schedule moved it
+
+
+def test_per_parameter_rates_in_one_group_follow_the_schedule():
+    """Several (param group, rate) combinations in one foreach group: each tensor gets its own factor."""
+    torch.manual_seed(0)
+    m = _net()
+    m[2].weight = pu.Parameter(m[2].weight.detach().clone(), weight_decay=0.3)
+    ref = copy.deepcopy(m)
+    opt, sched = _sgd_with_schedule(m, 0.2)
+    ref_opt, ref_sched = _sgd_with_schedule(ref, 0.2)
+    pu.weight_decay(m, 0.05)
+    rates = {p: 0.05 if p.ndim > 1 else 0.0 for p in ref.parameters()}
+    rates[ref[2].weight] = 0.3
+    for x in _data():
+        with pu.step(m, opt):
+            _loss(m, x).backward()
+        opt.zero_grad()
+        sched.step()
+        _by_hand(ref, ref_opt, ref_sched, rates, x)
+    assert_same(snapshot(ref), snapshot(m))

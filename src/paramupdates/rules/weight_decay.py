@@ -93,18 +93,64 @@ def factors_for(dev: torch.device, dt: torch.dtype, factors: list[float]) -> lis
     (``1 - 1e-3`` becomes 1.0 in bfloat16) while ``Tensor.mul_`` computes in float32."""
     if dev.type != "cpu":
         return list(factors)
-    return list(torch.tensor(factors, dtype=torch.float64 if dt == torch.float64 else torch.float32).unbind())
+    return list(torch.tensor(factors, dtype=_factor_dtype(dt)).unbind())
+
+
+def _factor_dtype(dt: torch.dtype) -> torch.dtype:
+    return torch.float64 if dt == torch.float64 else torch.float32
+
+
+class Factors:
+    """The factors ``1 - lr_g * rate`` of one foreach group (one device and dtype), made at each commit
+    from the learning rates the param groups have then, with no Python work per tensor.
+
+    A learning rate changes every step under a schedule: it is not part of the plan. The group's
+    tensors take their factors from a few *combinations* ``(param group, rate)``. On CPU the factors
+    are 0-dim views into one buffer (:func:`factors_for`), refilled in place when a learning rate
+    changed (one ``fill_`` for one combination); elsewhere a list of Python floats, made again when a
+    learning rate changed. A tensor learning rate (``capturable``; a scheduler fills it in
+    place) is read on the device at every commit, never on the host: ``1 - lr * rate`` per combination.
+    """
+
+    __slots__ = ("combos", "of", "cpu", "dtype", "buf", "index", "values", "lrs")
+
+    def __init__(self, dev: torch.device, dt: torch.dtype, combos: list[tuple[int, float]], of: list[int]) -> None:
+        self.combos = combos  # (param group index, rate), in first-seen order
+        self.of = of  # the combination of each tensor of the group
+        self.cpu = dev.type == "cpu"
+        self.dtype = _factor_dtype(dt)
+        self.buf: torch.Tensor | None = None
+        self.index = torch.tensor(of, dtype=torch.long) if len(combos) > 1 else None
+        self.values: list[Any] = []
+        self.lrs: tuple[Any, ...] | None = None
+
+    def get(self, groups: list[dict], scale_by_lr: bool) -> list[Any]:
+        """The factors of the group's tensors, in order, for this commit."""
+        lrs = tuple([groups[gi]["lr"] if scale_by_lr else 1.0 for gi, _ in self.combos])
+        if not all(isinstance(lr, int | float) for lr in lrs):
+            # tensor learning rates: on the device, at every commit (never kept, never read on the host)
+            self.lrs = None
+            per = [1.0 - lr * rate for lr, (_, rate) in zip(lrs, self.combos)]
+            return [per[c] for c in self.of]
+        if lrs == self.lrs:
+            return self.values
+        per = [1.0 - lr * rate for lr, (_, rate) in zip(lrs, self.combos)]
+        if not self.cpu:
+            self.values = [per[c] for c in self.of]
+        elif self.buf is None:
+            self.buf = torch.tensor([per[c] for c in self.of], dtype=self.dtype)
+            self.values = list(self.buf.unbind())  # views: refilled in place below
+        elif self.index is None:
+            self.buf.fill_(per[0])
+        else:
+            self.buf.copy_(torch.tensor(per, dtype=self.dtype)[self.index])
+        self.lrs = lrs
+        return self.values
 
 
 def skip_1d(name: str, tensor: torch.Tensor) -> bool:
     """The default ``exclude``: tensors with at most one dimension (biases, norm scales, scalars)."""
     return tensor.ndim <= 1
-
-
-def _lr_key(lr: Any) -> Any:
-    """A learning rate as a plan key: a number as itself, a tensor (``capturable``) by identity, weakly
-    (its value is not read on the host: no sync; no ``Tensor.__eq__``)."""
-    return lr if isinstance(lr, int | float) else Referents([lr])
 
 
 class WeightDecay(DeclaredRule):
@@ -187,7 +233,7 @@ class WeightDecay(DeclaredRule):
         """``(group sizes, lrs, own decays, whether a group can decay in its kernel)``, per group."""
         return (
             tuple([len(g["params"]) for g in groups]),
-            tuple([_lr_key(g["lr"]) for g in groups]) if self.scale_by_lr else (),
+            tuple([isinstance(g["lr"], int | float) for g in groups]) if self.scale_by_lr else (),  # (not the value)
             tuple([(g.get("weight_decay", 0), g.get("decoupled_weight_decay")) for g in groups]),
             self.scale_by_lr and any(["decoupled_weight_decay" in g for g in groups]),
         )
@@ -241,26 +287,22 @@ class WeightDecay(DeclaredRule):
         return len(stepped) == len(ts) and all(map(lambda a, b: a is b, sorted(stepped, key=id), sorted(ts, key=id)))
 
     def _separate_plan(self, groups: list[dict], group_of: dict[int, int], live: list[Any], idx: list[int]) -> Any:
-        """``(positions, foreach groups)`` of the separate pass over ``idx``: per device and dtype, the
-        positions and the factors ``1 - lr * rate`` (``1 - rate`` unless ``scale_by_lr``)."""
-        factors = []
-        for i in idx:
-            g = groups[group_of[id(live[i])]]
-            lr = g["lr"] if self.scale_by_lr else 1.0
-            factors.append(1.0 - lr * self.rates[i] if isinstance(lr, int | float) else None)
-        if any_none(factors):  # a tensor learning rate: factors as tensors, no host read
-            factors = [
-                1.0 - groups[group_of[id(live[i])]]["lr"] * self.rates[i] if f is None else f
-                for i, f in zip(idx, factors)
-            ]
+        """``(positions, their param groups, foreach groups)`` of the separate pass over ``idx``: per
+        device and dtype, the positions and their :class:`Factors` (``1 - lr * rate``, ``1 - rate``
+        unless ``scale_by_lr``, made at each commit from the learning rates then)."""
+        gis = [group_of[id(live[i])] for i in idx]
         foreach_groups = []
         if idx:
             grouped = _group_tensors_by_device_and_dtype([[live[i] for i in idx]], with_indices=True)
             for (dev, dt), (_, js) in grouped.items():
-                fs = [factors[j] for j in js]
-                plain = all(isinstance(f, float) for f in fs)
-                foreach_groups.append(([idx[j] for j in js], factors_for(dev, dt, fs) if plain else fs))
-        return (idx, factors, foreach_groups)
+                combos: dict[tuple[int, float], int] = {}
+                of = [combos.setdefault((gis[j], self.rates[idx[j]]), len(combos)) for j in js]
+                foreach_groups.append(([idx[j] for j in js], Factors(dev, dt, list(combos), of)))
+        return (idx, gis, foreach_groups)
+
+    def _factors(self, groups: list[dict], idx: list[int], gis: list[int]) -> list[Any]:
+        """``1 - lr * rate`` per position (the reference path: one tensor at a time)."""
+        return [1.0 - (groups[gi]["lr"] if self.scale_by_lr else 1.0) * self.rates[i] for i, gi in zip(idx, gis)]
 
     # --- the commit -----------------------------------------------------------------------------------
     def check(self, ctx: CommitContext) -> None:
@@ -296,7 +338,7 @@ class WeightDecay(DeclaredRule):
 
     def decayed(self) -> list[torch.Tensor]:
         """The tensors the last commit decayed, by either path."""
-        (idx, _f, _g), lent, _double = self.plan
+        (idx, _gis, _groups), lent, _double = self.plan
         positions = list(idx)
         for _gi, _r, covered in lent:
             positions.extend(covered)
@@ -313,17 +355,18 @@ class WeightDecay(DeclaredRule):
             self._live = saved
 
     def bind(self, ctx: CommitContext, live: list[Any]) -> Any:
-        """The separate pass's foreach lists: ``[(tensors, factors)]`` per device and dtype (plain
+        """The separate pass's foreach lists: ``[(tensors, Factors)]`` per device and dtype (plain
         tensors, foreach path; a DTensor's local shard is looked up at each commit)."""
         if self.plan is None or not self.foreach or sharding.any_sharded(live):
             return None
         return _foreach_lists(live, self.plan[0][2])
 
     def run(self, ctx: CommitContext, live: list[Any], args: Any) -> None:
-        (idx, factors, foreach_groups), lent, _double = self.plan
+        (idx, gis, foreach_groups), lent, _double = self.plan
+        groups = ctx.optimizer.param_groups
         if args is not None and not lent:
             with plain_if(self._sub):
-                _multi_tensor_weight_decay(args)
+                _multi_tensor_weight_decay([(ts, f.get(groups, self.scale_by_lr)) for ts, f in args])
             return
         touched = ctx.written_before_grad_after(self) if lent else set()  # must see the decayed values
         fallback: list[int] = []
@@ -331,20 +374,22 @@ class WeightDecay(DeclaredRule):
             if touched and any(id(live[i]) in touched for i in covered):
                 fallback.extend(covered)  # the decay must come before those updates: a separate pass
                 continue
-            g = ctx.optimizer.param_groups[gi]
+            g = groups[gi]
             self._lent.append((g, {k: g[k] for k in ("weight_decay", "decoupled_weight_decay")}))
             g["weight_decay"], g["decoupled_weight_decay"] = rate, True
         # elementwise: a DTensor (FSDP2) decays its local shard, with no communication
         ts = sharding.locals_of(live)
         with plain_if(self._sub):
             if fallback:
-                groups = ctx.optimizer.param_groups
-                plan = self._separate_plan(groups, _group_of(ctx.optimizer), live, sorted(set(idx) | set(fallback)))
-                idx, factors, foreach_groups = plan
+                idx, gis, foreach_groups = self._separate_plan(
+                    groups, _group_of(ctx.optimizer), live, sorted(set(idx) | set(fallback))
+                )
             if not self.foreach:  # the reference path: one tensor at a time
-                _single_tensor_weight_decay([ts[i] for i in idx], factors)
+                _single_tensor_weight_decay([ts[i] for i in idx], self._factors(groups, idx, gis))
             else:
-                _multi_tensor_weight_decay(_foreach_lists(ts, foreach_groups))
+                _multi_tensor_weight_decay(
+                    [(ts_, f.get(groups, self.scale_by_lr)) for ts_, f in _foreach_lists(ts, foreach_groups)]
+                )
 
     def optimizer_done(self) -> None:
         """The optimizer's step is over (or failed): its param groups get their own settings back."""
@@ -353,8 +398,8 @@ class WeightDecay(DeclaredRule):
             g.update(own)
 
 
-def _foreach_lists(ts: list[Any], foreach_groups: list[tuple[list[int], Any]]) -> list[tuple[list[Any], Any]]:
-    """The separate pass's ``[(tensors, factors)]`` per device and dtype, from the plan's positions."""
+def _foreach_lists(ts: list[Any], foreach_groups: list[tuple[list[int], Factors]]) -> list[tuple[list[Any], Factors]]:
+    """The separate pass's ``[(tensors, Factors)]`` per device and dtype, from the plan's positions."""
     return [([ts[i] for i in js], fs) for js, fs in foreach_groups]
 
 

@@ -38,6 +38,10 @@ class ModelIndex:
         """``(state.process.rules_version, generation)`` when :attr:`rules` was made."""
         self._caches: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         self._caches_alone: Any = None
+        self.sharded_layout: tuple[int, bool, Any] | None = None
+        """What the sharding hook found of the model's layout: ``(generation, sharded, mesh)``. Kept here,
+        not in a weak dictionary keyed by the index: a traced commit reads it, and dynamo guards on a
+        weak dictionary's keys, which another model's collection changes under it."""
         # ``reparametrized``: index what the slots hold inside ``torch.func.functional_call`` (the
         # tensors passed in; ``pu.func``'s own index). A model's index keeps its stored tensors then.
         self.reparametrized = reparametrized

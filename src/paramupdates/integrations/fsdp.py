@@ -159,7 +159,6 @@ class FSDPHooks(sharding.ShardingHooks):
     """The core's sharding hooks for FSDP2 (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._sharded: weakref.WeakKeyDictionary[Any, tuple[int, bool, Any]] = weakref.WeakKeyDictionary()
         self._checked: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 
     # --- refusals ----------------------------------------------------------------
@@ -226,7 +225,7 @@ class FSDPHooks(sharding.ShardingHooks):
 
     # --- the commit ----------------------------------------------------------------------
     def _layout(self, index: Any) -> tuple[bool, Any]:
-        hit = self._sharded.get(index)
+        hit = index.sharded_layout
         if hit is not None and hit[0] == index.generation:
             return hit[1], hit[2]
         model = index.model
@@ -236,7 +235,7 @@ class FSDPHooks(sharding.ShardingHooks):
                 if sharding.is_sharded(p):
                     mesh = p.device_mesh
                     break
-        self._sharded[index] = (index.generation, mesh is not None, mesh)
+        index.sharded_layout = (index.generation, mesh is not None, mesh)
         return mesh is not None, mesh
 
     def model_sharded(self, index: Any) -> bool:

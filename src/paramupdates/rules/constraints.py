@@ -103,6 +103,15 @@ class Constraint:
         """Apply in place to ``ts`` (the tensors :meth:`plan` saw)."""
         raise NotImplementedError
 
+    def bind_(self, ts: list[torch.Tensor], plan: Any) -> Any:
+        """What :meth:`run_` takes: the plan's tensor lists for ``ts``, made once per plan (the rule set
+        keeps them while the tensors' storage is unchanged). Default: ``ts`` and the plan, for :meth:`apply_`."""
+        return ts, plan
+
+    def run_(self, bound: Any) -> None:
+        """Apply in place with what :meth:`bind_` made (no Python work per tensor in the built-in ones)."""
+        self.apply_(*bound)
+
     def __repr__(self) -> str:
         return f"pu.{self.name}()"
 
@@ -198,32 +207,47 @@ class _Norm(Constraint):
         return wholes, rows
 
     def apply_(self, ts: list[torch.Tensor], plan: Any) -> None:
+        self.run_(self.bind_(ts, plan))
+
+    def bind_(self, ts: list[torch.Tensor], plan: Any) -> Any:
+        """Per group of the plan, its tensors (the kept dim first: views, so writes reach the tensors),
+        the shape of its norms, and its CPU batches of small tensors: :meth:`run_`'s lists."""
         wholes, rows = plan
-        for idx in wholes:
-            group = [ts[i] for i in idx]
-            n = torch.stack(torch._foreach_norm(group))
-            torch._foreach_mul_(group, list(self.factor(n).unbind(0)))
+        bound_rows = []
         for idx, d, counts, lengths, nd in rows:  # lengths: segment lengths, or CPU batches (cat?, size)
-            # kept dim first (views: writes reach the tensors)
             vs = [ts[i] for i in idx] if d == 0 else [ts[i].movedim(d, 0) for i in idx]
             shape = (-1, *([1] * (nd - 1)))
+            if isinstance(lengths, torch.Tensor) or nd == 1:
+                bound_rows.append((vs, shape, counts, lengths, None))
+                continue
+            batches, at = [], 0
+            for cat, k in lengths:
+                batches.append((cat, vs[at : at + k]))
+                at += k
+            bound_rows.append((vs, shape, counts, batches, tuple(range(1, nd))))
+        return [[ts[i] for i in idx] for idx in wholes], bound_rows
+
+    def run_(self, bound: Any) -> None:
+        wholes, rows = bound
+        for group in wholes:
+            n = torch.stack(torch._foreach_norm(group))
+            torch._foreach_mul_(group, list(self.factor(n).unbind(0)))
+        for vs, shape, counts, lengths, dims in rows:
             if isinstance(lengths, torch.Tensor):
                 # accelerators: launch bound; the whole group in a handful of kernels
                 flat = _flat(vs)
                 n = torch.segment_reduce(flat.square_(), "sum", lengths=lengths, unsafe=True).sqrt_().view(shape)
-            elif nd == 1:
+            elif dims is None:  # 1-D: one norm per element
                 n = torch.cat(torch._foreach_abs(vs)).view(shape)
             else:
                 # CPU (torch has no foreach norm over a dim): one vector_norm per batch of small
                 # tensors of one trailing shape, one per large tensor (memory bound: no copy).
-                dims = tuple(range(1, nd))
                 parts: list[torch.Tensor] = []
-                at = 0
-                for cat, k in lengths:
-                    batch = vs[at : at + k]
-                    at += k
+                for cat, batch in lengths:
                     if cat:
-                        parts.append(torch.linalg.vector_norm(torch.cat(batch) if k > 1 else batch[0], dim=dims))
+                        parts.append(
+                            torch.linalg.vector_norm(torch.cat(batch) if len(batch) > 1 else batch[0], dim=dims)
+                        )
                     else:
                         parts.extend(torch.linalg.vector_norm(v, dim=dims) for v in batch)
                 n = (torch.cat(parts) if len(parts) > 1 else parts[0]).view(shape)
@@ -325,12 +349,22 @@ class _Clamp(Constraint):
         return w.clamp(self.min, self.max)
 
     def apply_(self, ts_all: list[torch.Tensor], plan: Any) -> None:
+        self.run_(self.bind_(ts_all, plan))
+
+    def bind_(self, ts_all: list[torch.Tensor], plan: Any) -> Any:
+        """Per device and dtype: the tensors and the bounds in their kind (integers for integer tensors)."""
+        out = []
         for idx in plan:
             ts = [ts_all[i] for i in idx]
             lo, hi = self.min, self.max
             if not ts[0].is_floating_point():
                 lo = None if lo is None else int(lo)
                 hi = None if hi is None else int(hi)
+            out.append((ts, lo, hi))
+        return out
+
+    def run_(self, bound: Any) -> None:
+        for ts, lo, hi in bound:
             if lo is not None:
                 torch._foreach_clamp_min_(ts, lo)
             if hi is not None:
@@ -458,10 +492,11 @@ def _single_tensor_constraint(c: Constraint, ts: list[torch.Tensor], names: list
                 t.copy_(new)
 
 
-def _multi_tensor_constraint(c: Constraint, ts: list[torch.Tensor], plan: Any) -> None:
+def _multi_tensor_constraint(c: Constraint, ts: list[torch.Tensor], plan: Any, bound: Any = None) -> None:
     """``t <- c(t)`` for every tensor, in place, per device, dtype and rank (``c.apply_``: the norms of a
-    group, its factors in one pass, one ``torch._foreach_mul_``)."""
-    c.apply_(ts, plan)
+    group, its factors in one pass, one ``torch._foreach_mul_``). ``bound``: ``c.bind_(ts, plan)``, made
+    once while the plan holds (then ``ts`` and ``plan`` are not read)."""
+    c.run_(c.bind_(ts, plan) if bound is None else bound)
 
 
 class Constrain(DeclaredRule):
@@ -527,15 +562,17 @@ class Constrain(DeclaredRule):
             return self.constraint.plan(ts, self.norms) if self.foreach else None
 
     def bind(self, ctx: CommitContext, live: list[Any]) -> Any:
-        """The live tensors, in order (the foreach path of a constraint on plain tensors)."""
+        """The constraint's lists for the live tensors (``Constraint.bind_``: the foreach path of a
+        constraint on plain tensors)."""
         if self._sharded or not self.foreach:
             return None
-        return [t for t in live if t is not None]
+        with plain_if(self._sub):
+            return self.constraint.bind_([t for t in live if t is not None], self.plan)
 
     def run(self, ctx: CommitContext, live: list[Any], args: Any) -> None:
         if args is not None:
             with plain_if(self._sub):
-                _multi_tensor_constraint(self.constraint, args, self.plan)
+                _multi_tensor_constraint(self.constraint, [], None, args)
             return
         ts = [t for t in live if t is not None]
         if self._sharded:  # DTensors: local shards, and one all-reduce for norms over sharded dims

@@ -27,6 +27,13 @@ and range over the rounds, and the ratio of the minima):
   PyTorch has no foreach norm along a dim: one ``vector_norm`` over the
   concatenated small weights of each row length, one per large weight; on an
   accelerator one per row length, all weights concatenated);
+* ``foreach + plan checks``: ``foreach`` plus what a plan kept between commits must check before it
+  is used (``RuleSet`` in ``paramupdates/rules/base.py``), no less: the storage (``data_ptr``) of
+  every tensor the rules touch, which decayed weights have a gradient, and the optimizer's
+  parameters by identity. The floor of ``pu (default)``: torch has no counter that changes when
+  ``.data`` is replaced (``_version`` does not), so one pass in C over those tensors remains;
+* ``pu (lr schedule)`` / ``foreach (lr schedule)``: the same with a new learning rate every step (what
+  ``torch.optim.lr_scheduler`` does), the hand-written variant refilling its decay factors;
 * ``foreach + checks``: ``foreach`` plus one pass over the storage of the tensors the
   rules touch, one over the decayed weights' gradients, and the finiteness check of
   every gradient the optimizer will use with ``torch.amp.GradScaler``'s own kernel
@@ -44,6 +51,7 @@ every variant. Goal (performance contract): ``pu (default) / foreach`` <= 1.10
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -58,6 +66,7 @@ if __package__ in (None, ""):  # python benchmarks/rules.py
 import paramupdates as pu
 from benchmarks import timing
 from benchmarks.timing import interleaved, ms, ratios
+from paramupdates.rules.common import Referents, any_none
 
 EPS = 1e-7
 LR, WD, MAX, DECAY = 0.01, 0.05, 2.0, 0.999
@@ -93,15 +102,26 @@ def setup(size: str, real_opt: bool, device: torch.device):
     return model, opt
 
 
-def pu_variant(size: str, real_opt: bool, device: torch.device, copy: bool, on_nonfinite: str | None = None):
+def schedule(step: int) -> float:
+    """The learning rate of step ``step`` under the "lr schedule" variants (a new value every step)."""
+    return LR / (1.0 + 1e-3 * step)
+
+
+def pu_variant(
+    size: str, real_opt: bool, device: torch.device, copy: bool, on_nonfinite: str | None = None, sched: bool = False
+):
     model, opt = setup(size, real_opt, device)
     weights = [p for p in model.parameters() if p.ndim == 2]
     pu.weight_decay(model, WD)
     pu.constrain(weights, pu.max_norm(MAX))
     pu.ema(model, DECAY)
     stepper = pu.Stepper(model, opt, copy_for_rollback=copy, on_nonfinite=on_nonfinite)
+    steps = iter(range(10**9))
+    group = opt.param_groups[0]
 
     def run():
+        if sched:
+            group["lr"] = schedule(next(steps))  # what a torch.optim.lr_scheduler does between steps
         with stepper:
             pass
 
@@ -136,7 +156,14 @@ def loop_variant(size: str, real_opt: bool, device: torch.device):
     return run, model
 
 
-def foreach_variant(size: str, real_opt: bool, device: torch.device, checked: bool = False):
+def foreach_variant(
+    size: str,
+    real_opt: bool,
+    device: torch.device,
+    checked: bool = False,
+    plan_checked: bool = False,
+    sched: bool = False,
+):
     model, opt = setup(size, real_opt, device)
     params, weights, avg = tensors(model)
     # The row norms as pu computes them on CPU (torch has no foreach norm over a dim): the small
@@ -151,7 +178,10 @@ def foreach_variant(size: str, real_opt: bool, device: torch.device, checked: bo
     counts = [w.shape[0] for w in ordered]
     # 0-dim factors, as pu uses on CPU for float32 (2-3x faster than a Python scalar there, same bits);
     # elsewhere one Python scalar
-    factors = list(torch.full((len(weights),), 1 - LR * WD).unbind()) if cpu else 1 - LR * WD
+    buf = torch.full((len(weights),), 1 - LR * WD)
+    factors = list(buf.unbind()) if cpu else 1 - LR * WD
+    steps = iter(range(10**9))
+    group = opt.param_groups[0]
 
     # checked: plus the least a commit that validates before writing must add: one pass over the
     # storage of every tensor the rules touch (a moved model must fail before any write), one over
@@ -160,8 +190,25 @@ def foreach_variant(size: str, real_opt: bool, device: torch.device, checked: bo
     touched = params + avg
     key = tuple(map(_data_ptr, touched))
     one = torch.ones(1, device=device)
+    # plan_checked: what a plan kept between commits must check (pu's RuleSet does this), no less: the
+    # storage of every tensor the rules touch (model.to(), .data =), which decayed weights have a gradient
+    # (decay skips the others, as torch.optim does), and the optimizer's parameters by identity
+    members = Referents(params)
 
     def run():
+        nonlocal factors
+        if sched:
+            lr = group["lr"] = schedule(next(steps))
+            if cpu:
+                buf.fill_(1 - lr * WD)
+            else:
+                factors = 1 - lr * WD
+        if plan_checked and (
+            tuple(map(_data_ptr, touched)) != key
+            or any_none(list(map(_grad_of, weights)))
+            or not members.same(list(itertools.chain.from_iterable([g["params"] for g in opt.param_groups])))
+        ):
+            raise RuntimeError("changed")
         if checked:
             if tuple(map(_data_ptr, touched)) != key or any(g is None for g in map(_grad_of, weights)):
                 raise RuntimeError("changed")
@@ -186,7 +233,17 @@ def foreach_variant(size: str, real_opt: bool, device: torch.device, checked: bo
     return run, model
 
 
-VARIANTS = ("pu (default)", "pu (copy_for_rollback)", "pu (on_nonfinite)", "loop", "foreach", "foreach + checks")
+VARIANTS = (
+    "pu (default)",
+    "pu (copy_for_rollback)",
+    "pu (on_nonfinite)",
+    "pu (lr schedule)",
+    "loop",
+    "foreach",
+    "foreach + plan checks",
+    "foreach + checks",
+    "foreach (lr schedule)",
+)
 
 
 def bench(size: str, real_opt: bool, rounds: int, iters: int, device: torch.device = CPU) -> dict[str, list[float]]:
@@ -198,6 +255,9 @@ def bench(size: str, real_opt: bool, rounds: int, iters: int, device: torch.devi
         "loop": lambda: loop_variant(size, real_opt, device),
         "foreach": lambda: foreach_variant(size, real_opt, device),
         "foreach + checks": lambda: foreach_variant(size, real_opt, device, checked=True),
+        "foreach + plan checks": lambda: foreach_variant(size, real_opt, device, plan_checked=True),
+        "pu (lr schedule)": lambda: pu_variant(size, real_opt, device, False, sched=True),
+        "foreach (lr schedule)": lambda: foreach_variant(size, real_opt, device, sched=True),
     }
     variants, models = {}, []
     try:
@@ -232,6 +292,9 @@ def rows(
                     "goal": GOALS[size],
                     "note": f"ratio of minima {r.of_min:.3f}; {ms(r.s)} vs {ms(f)} ms; "
                     f"loop {med['loop'] / f:.3f}; "
+                    f"pu / (foreach + plan checks) {ratios(t, 'pu (default)', 'foreach + plan checks').median:.3f}, "
+                    f"that floor {med['foreach + plan checks'] / f:.3f}; "
+                    f"lr schedule: pu / foreach {ratios(t, 'pu (lr schedule)', 'foreach (lr schedule)').median:.3f}; "
                     f"on_nonfinite='skip' {ratios(t, 'pu (on_nonfinite)', 'foreach').median:.3f} "
                     f"(its floor, foreach + checks: {med['foreach + checks'] / f:.3f}); "
                     f"copy_for_rollback {med['pu (copy_for_rollback)'] / f:.3f}",
@@ -254,6 +317,16 @@ def report(title: str, times: dict[str, list[float]]) -> None:
         f"  floor of the opt-in check: (foreach + checks) / foreach = {med['foreach + checks'] / med['foreach']:5.3f}x "
         "(the least a commit that checks finiteness before writing adds, rule 7)"
     )
+    print(
+        f"  floor of a kept plan: (foreach + plan checks) / foreach = "
+        f"{med['foreach + plan checks'] / med['foreach']:5.3f}x (what a plan kept between commits must check)"
+    )
+    r = ratios(times, "pu (default)", "foreach + plan checks")
+    print(
+        f"  default           : pu / floor   = {r.median:5.3f}x (range {r.spread()}): what pu adds beyond those checks"
+    )
+    r = ratios(times, "pu (lr schedule)", "foreach (lr schedule)")
+    print(f"  lr schedule       : pu / foreach = {r.median:5.3f}x (range {r.spread()}): a new learning rate every step")
     r = ratios(times, "pu (on_nonfinite)", "foreach + checks")
     print(f"  on_nonfinite      : pu / floor   = {r.median:5.3f}x (range {r.spread()}): what pu adds beyond the check")
     for name in ("default", "copy_for_rollback", "on_nonfinite"):

@@ -300,7 +300,7 @@ def _nesting(model: nn.Module, index: ModelIndex, att: Attachment) -> tuple[nn.M
     return (other, model, at) if at is not None else None
 
 
-def refuse_pending_attachment(model: nn.Module, what: str) -> None:
+def refuse_pending_attachment(model: nn.Module, what: Any) -> None:
     """Raise :class:`UpdateError` if an attachment of ``model`` (or of a module inside or around it)
     has updates pending since its last ``optimizer.step()``: a step opened now (``what``) would read
     them and write into them, and they would commit later on their own."""

@@ -59,7 +59,7 @@ class Journal:
         self,
         index: ModelIndex,
         optimizer: torch.optim.Optimizer | None,
-        label: str,
+        label: Any,  # a str, or an origin.Label (formatted when shown)
         reuse: dict[int, Entry] | None = None,
     ) -> None:
         self.index = index
@@ -85,6 +85,7 @@ class Journal:
         self.shown = False  # some pending value is shown (hide() has something to do)
         self.any_sharded = False  # some entry's target is a DTensor (its values are checked through local shards)
         self.state = "open"  # open -> committing -> closed
+        self.guarded: Any = None  # the optimizer a pu.step block guards against steps its commit does not make
         self.done_phases: set[str] = set()
         self.changed: list[str] = []  # targets changed while updates to them were pending (hide())
         self.watch = True  # check for such changes (pu.func's journal: torch.func swaps the slots itself)

@@ -80,6 +80,34 @@ class Origin:
         return hash(str(self))
 
 
+class Label:
+    """``"<what> at <file:line>"``: how messages name a step, formatted when first shown (a ``pu.step``
+    block opens one per iteration; most are never shown)."""
+
+    __slots__ = ("what", "origin", "_text")
+
+    def __init__(self, what: str, origin: Origin | str) -> None:
+        self.what = what
+        self.origin = origin
+        self._text: str | None = None
+
+    def __str__(self) -> str:
+        if self._text is None:
+            self._text = f"{self.what} at {self.origin}"
+        return self._text
+
+    __repr__ = __str__
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
+    def __eq__(self, other: object) -> bool:
+        return str(self) == str(other) if isinstance(other, Label | str) else NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(str(self))
+
+
 def capture(depth: int = 2, compiling: bool | None = None) -> Origin | str:
     """The call site of the first frame (from ``depth`` up) outside paramupdates and torch.
 

@@ -23,14 +23,13 @@ from typing import Any, Unpack
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from . import routing
 from .attach import hookable, refuse_pending_attachment
 from .errors import UpdateError
 from .journal import Journal
 from .options import StepOptionsDict, make_options
-from .origin import call_site
+from .origin import Label, call_site, capture
 from .owner import Owner, check_arguments
 
 
@@ -76,7 +75,6 @@ class Stepper(Owner):
                 "(torch.amp.GradScaler.step does not support closures)."
             )
         self._journal: Journal | None = None
-        self._foreign: RemovableHandle | None = None  # refuses optimizer steps not made by the commit
 
     def step(self, closure: Callable[[], Any] | None = None) -> StepBlock:
         """Context manager: one step; commits on a clean exit, discards on an exception."""
@@ -101,7 +99,7 @@ class Stepper(Owner):
         return out
 
     def _open(self) -> Journal:
-        site = call_site(2)
+        site = capture(3)  # (the caller of __enter__; formatted only if shown)
         if routing.explicit():
             other = routing.explicit()[-1]
             raise UpdateError(
@@ -109,20 +107,18 @@ class Stepper(Owner):
                 f"({other.label}, for {type(other.index.model).__name__}); pu.step blocks do not nest. "
                 "Finish the outer step first, or open one step on a module that contains both models."
             )
-        refuse_pending_attachment(self.model, f"pu.step at {site}")
-        j = Journal(self.index, self.optimizer, f"pu.step at {site}", self._reuse())
+        label = Label("pu.step", site)
+        refuse_pending_attachment(self.model, label)
+        j = Journal(self.index, self.optimizer, label, self._reuse())
         self._journal = j
         routing.enter(j)
         if self.optimizer is not None:
-            self._foreign = _refuse_foreign_steps(self.optimizer, j)
+            j.guarded = _guard_optimizer(self.optimizer)
         return j
 
     def _close(self, j: Journal) -> None:
         routing.leave(j)
         self._journal = None
-        if self._foreign is not None:
-            self._foreign.remove()
-            self._foreign = None
 
     def _discard(self, j: Journal) -> None:
         self._close(j)
@@ -174,18 +170,28 @@ class StepBlock:
         self.stepper._finish(j, self.closure if self.closure is not None else self.stepper.closure)
 
 
-def _refuse_foreign_steps(optimizer: Any, j: Journal) -> RemovableHandle | None:
-    """While ``j``'s step records, an ``optimizer.step()`` that its commit does not make (the user's,
-    or ``GradScaler.step``'s) raises :class:`UpdateError` before the optimizer writes: the commit owns
-    that step. A step pre-hook on the optimizer, run before any other (an attachment's too)."""
+def _guard_optimizer(optimizer: Any) -> Any:
+    """The optimizer whose step pre-hooks run (``hookable``), with :func:`_refuse_foreign_step` among them,
+    first (before an attachment's pre-hook): installed at its first ``pu.step``, kept while the optimizer
+    lives (it does nothing outside a ``pu.step`` block). ``None``: no step hooks to guard with."""
     try:
         opt = hookable(optimizer)
     except UpdateError:
-        return None  # no step hooks to guard with
+        return None
+    hooks_ = opt._optimizer_step_pre_hooks
+    if _refuse_foreign_step not in hooks_.values():
+        handle = opt.register_step_pre_hook(_refuse_foreign_step)
+        hooks_.move_to_end(handle.id, last=False)
+    return opt
 
-    def refuse(o: Any, args: Any, kwargs: Any) -> None:
-        if any(c.journal is j for c in routing.running_commits()):
-            return  # the commit's own call
+
+def _refuse_foreign_step(o: Any, args: Any, kwargs: Any) -> None:
+    """While a ``pu.step`` block of this thread records for ``o``, an ``o.step()`` that its commit does not
+    make (the user's, or ``GradScaler.step``'s) raises :class:`UpdateError` before the optimizer writes:
+    the commit owns that step."""
+    for j in routing.explicit():
+        if getattr(j, "guarded", None) is not o or any(c.journal is j for c in routing.running_commits()):
+            continue  # another optimizer's step, or the commit's own call
         name = type(o).__name__
         raise UpdateError(
             f"{name}.step() at {call_site(1)} was called inside {j.label}, which owns that optimizer step: "
@@ -196,10 +202,6 @@ def _refuse_foreign_steps(optimizer: Any, j: Journal) -> RemovableHandle | None:
             "keep a loop that calls optimizer.step() itself with pu.attach(model, optimizer) instead of "
             "pu.step. Nothing was written; the step is discarded."
         )
-
-    handle = opt.register_step_pre_hook(refuse)
-    opt._optimizer_step_pre_hooks.move_to_end(handle.id, last=False)  # before an attachment's pre-hook
-    return handle
 
 
 def step(

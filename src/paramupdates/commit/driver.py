@@ -83,6 +83,8 @@ class Commit:
         self.rollback = Rollback(options.copy_for_rollback, pool)
         self._applied: list[str | Rule] = []  # what was written so far, for the note on an exception
         self.rules: list[Rule] = []
+        self._phase_rules: dict[str, list[Rule]] = {}  # the rules by phase, in declaration order
+        self._ctx: CommitContext | None = None  # what the rules see (one per commit)
         self.skipped = False
         self.state = "new"  # new -> begun -> checked -> stepped -> done | aborted
         # The entries whose targets were written earlier in this commit (by a phase or a rule: what
@@ -178,6 +180,10 @@ class Commit:
             # rules that belong to the gradient update run once per real optimizer update (read-your-writes, rule 1)
             rules = [r for r in rules if not r.per_optimizer_update]
         self.rules = rules
+        by_phase: dict[str, list[Rule]] = {}
+        for r in rules:
+            by_phase.setdefault(r.phase, []).append(r)
+        self._phase_rules = by_phase
         self.rollback.save_rules(rules)
         self.rollback.fallible_left = (1 if self.optimizer is not None else 0) + sum(
             1 for r in rules if not r.infallible
@@ -322,7 +328,7 @@ class Commit:
             if any(id(row.target) in written for row in j.rows):
                 j.absorb()
         if self.rules:
-            ctx = CommitContext(self.optimizer, self.journal.index, self.journal, self.rules)
+            ctx = self._context()
             if self.ruleset is not None:
                 self.ruleset.check(self.rules, ctx)
             else:
@@ -330,6 +336,12 @@ class Commit:
                     rule.check(ctx)
         self.state = "checked"
         self.run_phase(BEFORE_GRAD)
+
+    def _context(self) -> CommitContext:
+        """What the rules of this commit see (made once)."""
+        if self._ctx is None:
+            self._ctx = CommitContext(self.optimizer, self.journal.index, self.journal, self.rules)
+        return self._ctx
 
     def wrap_closure(self, closure: Callable[[], Any]) -> Callable[[], Any]:
         """``closure`` for ``optimizer.step``: after its first call (the gradients exist) the commit
@@ -466,7 +478,11 @@ class Commit:
                 if self.optimizer is not None:
                     rows.append(
                         ScheduleEntry(
-                            GRAD, "<optimizer parameters>", f"{type(self.optimizer).__name__}.step", "-", self.label
+                            GRAD,
+                            "<optimizer parameters>",
+                            f"{type(self.optimizer).__name__}.step",
+                            "-",
+                            str(self.label),
                         )
                     )
                 continue
@@ -492,10 +508,10 @@ class Commit:
     def run_phase(self, phase: str) -> None:
         """Apply one phase: its declared rules, then its recorded updates (see the module docstring)."""
         rb = self.rollback
-        rules = [r for r in self.rules if r.phase == phase]
+        rules = self._phase_rules.get(phase)
         j = self.journal
         if rules:
-            ctx = CommitContext(self.optimizer, j.index, j, self.rules)
+            ctx = self._context()
             # what a rule writes is listed only where it is needed: to copy it first (rollback), or to
             # classify recorded updates of a later phase (no Python work per tensor otherwise)
             listed = rb.needs_copies() or bool(j.entries)

@@ -501,6 +501,18 @@ def _by_hand(ref, opt, sched, rates, x):
     sched.step()
 
 
+def _train_both(m, opt, sched, ref, ref_opt, ref_sched, rates):
+    """Train ``m`` with pu.step and ``ref`` by hand (:func:`_by_hand`), the schedules stepped alike; then
+    the two are bitwise the same."""
+    for x in _data():
+        with pu.step(m, opt):
+            _loss(m, x).backward()
+        opt.zero_grad()
+        sched.step()
+        _by_hand(ref, ref_opt, ref_sched, rates, x)
+    assert_same(snapshot(ref), snapshot(m))
+
+
 @pytest.mark.parametrize("tensor_lr", [False, True], ids=["float lr", "tensor lr"])
 def test_a_learning_rate_schedule_is_followed_every_step(tensor_lr):
     """The factors 1 - lr * rate are made at each commit from the learning rate the group has then: a
@@ -514,14 +526,7 @@ def test_a_learning_rate_schedule_is_followed_every_step(tensor_lr):
     opt, sched = _sgd_with_schedule(m, lr())
     ref_opt, ref_sched = _sgd_with_schedule(ref, lr())
     pu.weight_decay(m, 0.05)
-    rates = {p: 0.05 if p.ndim > 1 else 0.0 for p in ref.parameters()}
-    for x in _data():
-        with pu.step(m, opt):
-            _loss(m, x).backward()
-        opt.zero_grad()
-        sched.step()
-        _by_hand(ref, ref_opt, ref_sched, rates, x)
-    assert_same(snapshot(ref), snapshot(m))
+    _train_both(m, opt, sched, ref, ref_opt, ref_sched, {p: 0.05 if p.ndim > 1 else 0.0 for p in ref.parameters()})
     assert float(opt.param_groups[0]["lr"]) < 0.2  # the schedule moved it
 
 
@@ -536,10 +541,4 @@ def test_per_parameter_rates_in_one_group_follow_the_schedule():
     pu.weight_decay(m, 0.05)
     rates = {p: 0.05 if p.ndim > 1 else 0.0 for p in ref.parameters()}
     rates[ref[2].weight] = 0.3
-    for x in _data():
-        with pu.step(m, opt):
-            _loss(m, x).backward()
-        opt.zero_grad()
-        sched.step()
-        _by_hand(ref, ref_opt, ref_sched, rates, x)
-    assert_same(snapshot(ref), snapshot(m))
+    _train_both(m, opt, sched, ref, ref_opt, ref_sched, rates)

@@ -53,59 +53,63 @@ def _forget_verdicts() -> None:
 hooks.internal_files_changed.append(_forget_verdicts)
 
 
-class Origin:
-    """Where an update was issued: shown as ``file:line`` (formatted when first shown)."""
+class Shown:
+    """A text made when first shown (``str()``, an f-string, a comparison), then kept: what is made on
+    every update or step and seldom shown (a call site, a step's name) costs no formatting."""
 
-    __slots__ = ("file", "line", "_text")
+    __slots__ = ("_text",)
+
+    def __init__(self) -> None:
+        self._text: str | None = None
+
+    def _make(self) -> str:
+        raise NotImplementedError
+
+    def __str__(self) -> str:
+        if self._text is None:
+            self._text = self._make()
+        return self._text
+
+    def __repr__(self) -> str:
+        return str(self)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
+    def __eq__(self, other: object) -> bool:
+        return str(self) == str(other) if isinstance(other, Shown | str) else NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(str(self))
+
+
+class Origin(Shown):
+    """Where an update was issued: shown as ``file:line``."""
+
+    __slots__ = ("file", "line")
 
     def __init__(self, file: str, line: int) -> None:
+        self._text = None  # (not super().__init__(): one made per update)
         self.file = file
         self.line = line
-        self._text: str | None = None
 
-    def __str__(self) -> str:
-        if self._text is None:
-            self._text = f"{relative(self.file)}:{self.line}"
-        return self._text
-
-    __repr__ = __str__
-
-    def __format__(self, spec: str) -> str:
-        return format(str(self), spec)
-
-    def __eq__(self, other: object) -> bool:
-        return str(self) == str(other) if isinstance(other, Origin | str) else NotImplemented
-
-    def __hash__(self) -> int:
-        return hash(str(self))
+    def _make(self) -> str:
+        return f"{relative(self.file)}:{self.line}"
 
 
-class Label:
-    """``"<what> at <file:line>"``: how messages name a step, formatted when first shown (a ``pu.step``
-    block opens one per iteration; most are never shown)."""
+class Label(Shown):
+    """``"<what> at <file:line>"``: how messages name a step (a ``pu.step`` block opens one per
+    iteration; most are never shown)."""
 
-    __slots__ = ("what", "origin", "_text")
+    __slots__ = ("what", "origin")
 
     def __init__(self, what: str, origin: Origin | str) -> None:
+        self._text = None
         self.what = what
         self.origin = origin
-        self._text: str | None = None
 
-    def __str__(self) -> str:
-        if self._text is None:
-            self._text = f"{self.what} at {self.origin}"
-        return self._text
-
-    __repr__ = __str__
-
-    def __format__(self, spec: str) -> str:
-        return format(str(self), spec)
-
-    def __eq__(self, other: object) -> bool:
-        return str(self) == str(other) if isinstance(other, Label | str) else NotImplemented
-
-    def __hash__(self) -> int:
-        return hash(str(self))
+    def _make(self) -> str:
+        return f"{self.what} at {self.origin}"
 
 
 def capture(depth: int = 2, compiling: bool | None = None) -> Origin | str:

@@ -38,6 +38,39 @@ def test_optimizer_step_inside_pu_step_raises_before_it_writes(attached):
     assert int(opt.state[m.lin.weight]["step"]) == 2
 
 
+def test_the_guard_is_one_hook_and_refuses_another_threads_step_too():
+    """The guard is one step pre-hook per optimizer, installed at its first pu.step (steps add none), and
+    it refuses an optimizer.step() made by another thread while a block records for that optimizer."""
+    import threading
+
+    m, opt, avg = _rules_model()
+    for _ in range(3):
+        with pu.step(m, opt):
+            m(torch.randn(8, 4)).square().sum().backward()
+        opt.zero_grad()
+    assert len(opt._optimizer_step_pre_hooks) == 1
+    before = snapshot(m, opt, avg)
+    errors = []
+
+    def other_thread():
+        try:
+            opt.step()
+        except pu.UpdateError as e:
+            errors.append(str(e))
+
+    with pytest.raises(RuntimeError, match="discard"):
+        with pu.step(m, opt):
+            m(torch.randn(8, 4)).square().sum().backward()
+            t = threading.Thread(target=other_thread)
+            t.start()
+            t.join()
+            raise RuntimeError("discard this step")
+    assert len(errors) == 1 and "Adam.step()" in errors[0] and "owns that optimizer step" in errors[0]
+    assert_same(before, snapshot(m, opt, avg))
+    opt.step()  # no step is open: plain PyTorch again
+    assert int(opt.state[m.lin.weight]["step"]) == 4
+
+
 def test_gradscaler_step_inside_pu_step_raises():
     m, opt, avg = _rules_model()
     scaler = torch.amp.GradScaler("cpu")

@@ -64,6 +64,12 @@ def explicit() -> list[JournalLike]:
     return _local.explicit
 
 
+def explicit_anywhere() -> list[JournalLike]:
+    """The explicit journals in progress in every thread (a module's slots, and an optimizer, are
+    shared between threads)."""
+    return _process.steps
+
+
 def attachments() -> list[OwnerLike]:
     """The live attachments, in attach order."""
     return _process.attachments

@@ -186,10 +186,10 @@ def _guard_optimizer(optimizer: Any) -> Any:
 
 
 def _refuse_foreign_step(o: Any, args: Any, kwargs: Any) -> None:
-    """While a ``pu.step`` block of this thread records for ``o``, an ``o.step()`` that its commit does not
-    make (the user's, or ``GradScaler.step``'s) raises :class:`UpdateError` before the optimizer writes:
-    the commit owns that step."""
-    for j in routing.explicit():
+    """While a ``pu.step`` block records for ``o`` (in any thread), an ``o.step()`` that its commit does
+    not make (the user's, or ``GradScaler.step``'s, or another thread's) raises :class:`UpdateError`
+    before the optimizer writes: the commit owns that step."""
+    for j in routing.explicit_anywhere():
         if getattr(j, "guarded", None) is not o or any(c.journal is j for c in routing.running_commits()):
             continue  # another optimizer's step, or the commit's own call
         name = type(o).__name__

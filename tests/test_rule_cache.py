@@ -107,6 +107,10 @@ def _no_grad_for_first_layer(m, opt):
     m[0].requires_grad_(False)
 
 
+def _no_grad_for_an_uncovered_bias(m, opt):
+    m[0].bias.requires_grad_(False)  # (weight decay skips 1-D tensors: SGD's decay is pu's separate pass)
+
+
 def _new_storage(m, opt):
     m[2].weight.data = m[2].weight.data.clone()
 
@@ -119,13 +123,15 @@ def _cast(m, opt):
 
 @pytest.mark.parametrize(
     ("change", "replans"),
-    [(_no_grad_for_first_layer, True), (_new_storage, True), (_lr, False)],
+    [(_no_grad_for_first_layer, True), (_new_storage, True), (_lr, False), (_no_grad_for_an_uncovered_bias, False)],
     ids=lambda v: v.__name__ if callable(v) else None,
 )
 def test_a_change_between_commits_reaches_the_full_checks(full_checks, change, replans):
     """A change the plans depend on runs the full checks at the next commit. A new learning rate (a
     schedule changes it every step) does not: weight decay makes its factors from the learning rate
-    at each commit. Either way the result is that of the full checks at every commit."""
+    at each commit. Nor does a gradient that appears or goes on a parameter weight decay does not
+    cover, where the decay is a separate pass (SGD): only the covered parameters' gradients decide it.
+    Either way the result is that of the full checks at every commit."""
     m = _net()
     opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.5)
     averaged = _declare(m)

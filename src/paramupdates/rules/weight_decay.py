@@ -208,7 +208,7 @@ class WeightDecay(DeclaredRule):
             Referents([opt]),  # (not a weakref.ref: a traced commit compares keys, and dynamo cannot compare those)
             Referents(params),  # weakly, by identity: no id() of a parameter that died can match
             layout,
-            self._grad_key(params if layout[2] else [t for t in live if t is not None]),
+            self._grad_key(params if layout[3] else [t for t in live if t is not None]),
         )
 
     def same_plan(self, ctx: CommitContext, live: list[Any]) -> bool:
@@ -227,10 +227,12 @@ class WeightDecay(DeclaredRule):
         if self._layout(groups) != layout:
             return False
         params = list(itertools.chain.from_iterable([g["params"] for g in groups]))
-        return refs.same(params) and self._grad_key(params if layout[2] else live) == grad_key
+        return refs.same(params) and self._grad_key(params if layout[3] else live) == grad_key
 
     def _layout(self, groups: list[dict]) -> tuple:
-        """``(group sizes, lrs, own decays, whether a group can decay in its kernel)``, per group."""
+        """``(group sizes, lrs, own decays, whether a group can decay in its kernel)``, per group; the
+        last (``[3]``) decides whose gradients the plan key covers (every optimizer parameter's, or
+        the covered ones')."""
         return (
             tuple([len(g["params"]) for g in groups]),
             tuple([isinstance(g["lr"], int | float) for g in groups]) if self.scale_by_lr else (),  # (not the value)

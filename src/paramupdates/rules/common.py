@@ -70,6 +70,18 @@ def has_subclass(ts: list[torch.Tensor]) -> bool:
     return not set(map(type, ts)) <= _PLAIN_SET  # (one pass over the types, in C)
 
 
+_detach = torch._C.TensorBase.detach
+
+
+def aliases(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Plain tensors on each tensor's storage (``detach()``: a view, with the tensor's version counter),
+    for the foreach kernels of a kept plan: their argument parsing then meets no ``Parameter``
+    subclass (4-15 % of a ``_foreach_lerp_`` over 3000 small tensors). Valid while the storage is the
+    same: whoever keeps them re-checks the tensors' storage before each use (``RuleSet``)."""
+    with no_subclass():
+        return list(map(_detach, ts))
+
+
 def plain_if(flag: bool) -> Any:
     """``no_subclass()`` when ``flag`` (it slows every op down a little, so only where needed)."""
     return no_subclass() if flag else contextlib.nullcontext()

@@ -57,6 +57,7 @@ from ..phases import AFTER_GRAD
 from .base import register
 from .common import (
     adopt_known,
+    aliases,
     check_declared,
     named_tensors,
     no_subclass,
@@ -566,8 +567,7 @@ class Constrain(DeclaredRule):
         constraint on plain tensors)."""
         if self._sharded or not self.foreach:
             return None
-        with plain_if(self._sub):
-            return self.constraint.bind_([t for t in live if t is not None], self.plan)
+        return self.constraint.bind_(aliases([t for t in live if t is not None]), self.plan)
 
     def run(self, ctx: CommitContext, live: list[Any], args: Any) -> None:
         if args is not None:

@@ -468,8 +468,8 @@ class EMA(Rule):
                 key = (a, d.device, d.dtype, s.device, s.dtype)
                 groups.setdefault(key, ([], []))
                 # DTensors (FSDP2): the copy is sharded like the model, so each rank averages its shard
-                groups[key][0].append(sharding.local(d))
-                groups[key][1].append(sharding.local(s))
+                groups[key][0].append(_alias(d))
+                groups[key][1].append(_alias(s))
             self._lerp, self._mixed, self._copy, self._moved = [], [], [], []
             for (a, dd, dt, sd, st), (dsts, srcs) in groups.items():
                 if sd != dd:
@@ -503,6 +503,12 @@ class EMA(Rule):
 
     def restore(self, saved: Any) -> None:
         self.updates = saved
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """What the foreach lists hold of ``t``: a DTensor's local shard, else a plain alias of its storage
+    (``common.aliases``; the pairs are rebuilt whenever their storage changes)."""
+    return sharding.local(t) if sharding.is_sharded(t) else t.detach()
 
 
 def _single_tensor_ema(avg: list[torch.Tensor], src: list[torch.Tensor], averaged: list[bool], w: float) -> None:

@@ -57,6 +57,7 @@ from .base import register
 from .common import (
     Referents,
     adopt_known,
+    aliases,
     any_none,
     check_declared,
     named_tensors,
@@ -361,7 +362,7 @@ class WeightDecay(DeclaredRule):
         tensors, foreach path; a DTensor's local shard is looked up at each commit)."""
         if self.plan is None or not self.foreach or sharding.any_sharded(live):
             return None
-        return _foreach_lists(live, self.plan[0][2])
+        return [(aliases(ts), f) for ts, f in _foreach_lists(live, self.plan[0][2])]
 
     def run(self, ctx: CommitContext, live: list[Any], args: Any) -> None:
         (idx, gis, foreach_groups), lent, _double = self.plan

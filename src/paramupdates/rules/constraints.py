@@ -563,16 +563,23 @@ class Constrain(DeclaredRule):
             return self.constraint.plan(ts, self.norms) if self.foreach else None
 
     def bind(self, ctx: CommitContext, live: list[Any]) -> Any:
-        """The constraint's lists for the live tensors (``Constraint.bind_``: the foreach path of a
-        constraint on plain tensors)."""
+        """The constraint's lists for plain aliases of the live tensors (``Constraint.bind_``, the
+        foreach path of a constraint on plain tensors; a traced commit binds the tensors themselves)."""
         if self._sharded or not self.foreach:
             return None
-        return self.constraint.bind_(aliases([t for t in live if t is not None]), self.plan)
+        ts = [t for t in live if t is not None]
+        if torch.compiler.is_compiling():
+            with plain_if(self._sub):
+                return self.constraint.bind_(ts, self.plan)
+        return self.constraint.bind_(aliases(ts), self.plan)
 
     def run(self, ctx: CommitContext, live: list[Any], args: Any) -> None:
         if args is not None:
             with plain_if(self._sub):
-                _multi_tensor_constraint(self.constraint, [], None, args)
+                if torch.compiler.is_compiling():  # the tensors themselves: dynamo guards them already
+                    _multi_tensor_constraint(self.constraint, [t for t in live if t is not None], self.plan)
+                else:
+                    _multi_tensor_constraint(self.constraint, [], None, args)
             return
         ts = [t for t in live if t is not None]
         if self._sharded:  # DTensors: local shards, and one all-reduce for norms over sharded dims

@@ -95,6 +95,7 @@ from ..phases import AFTER_STEP
 from ..schedule import ScheduleEntry
 from .base import Rule, register
 from .common import (
+    aliases,
     check_declared,
     has_subclass,
     no_subclass,
@@ -241,6 +242,7 @@ class EMA(Rule):
         self._mixed: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []  # dtypes differ: mul + add
         self._copy: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
         self._moved: list[tuple[list[torch.Tensor], list[torch.Tensor], str]] = []  # devices differ
+        self._aliased: tuple[Any, ...] | None = None  # the same lists, of plain aliases (eager commits)
         # t: beside the copy, carried by the copy's state_dict metadata (no tensor: the copy's
         # parameters and buffers are the model's, name for name)
         self._counter = Counter()
@@ -468,8 +470,8 @@ class EMA(Rule):
                 key = (a, d.device, d.dtype, s.device, s.dtype)
                 groups.setdefault(key, ([], []))
                 # DTensors (FSDP2): the copy is sharded like the model, so each rank averages its shard
-                groups[key][0].append(_alias(d))
-                groups[key][1].append(_alias(s))
+                groups[key][0].append(sharding.local(d))
+                groups[key][1].append(sharding.local(s))
             self._lerp, self._mixed, self._copy, self._moved = [], [], [], []
             for (a, dd, dt, sd, st), (dsts, srcs) in groups.items():
                 if sd != dd:
@@ -480,13 +482,29 @@ class EMA(Rule):
                     self._lerp.append((dsts, srcs))
                 else:
                     self._mixed.append((dsts, srcs))
+            self._aliased = None  # (made by the first eager commit: _lists)
+
+    def _lists(self) -> tuple[Any, ...]:
+        """The foreach lists: eagerly of plain aliases (``common.aliases``, made once per build); in a
+        traced commit the tensors themselves, which dynamo guards already (an alias made or read there
+        would be one more tensor to guard, or a graph output)."""
+        if torch.compiler.is_compiling():
+            return self._lerp, self._mixed, self._copy, self._moved
+        if self._aliased is None:
+            self._aliased = (
+                [(aliases(d), aliases(s)) for d, s in self._lerp],
+                [(aliases(d), aliases(s)) for d, s in self._mixed],
+                [(aliases(d), aliases(s)) for d, s in self._copy],
+                [(aliases(d), aliases(s), how) for d, s, how in self._moved],
+            )
+        return self._aliased
 
     def apply(self, ctx: CommitContext) -> None:
         with plain_if(self._sub):
             if not self.foreach:  # the reference path: one pair at a time
                 _single_tensor_ema(self._dst, self._src, self._avg, self._weight)
             else:
-                _multi_tensor_ema(self._lerp, self._mixed, self._copy, self._moved, self._weight)
+                _multi_tensor_ema(*self._lists(), self._weight)
         self._counter.t += 1
 
     # --- state -------------------------------------------------------------
@@ -503,12 +521,6 @@ class EMA(Rule):
 
     def restore(self, saved: Any) -> None:
         self.updates = saved
-
-
-def _alias(t: torch.Tensor) -> torch.Tensor:
-    """What the foreach lists hold of ``t``: a DTensor's local shard, else a plain alias of its storage
-    (``common.aliases``; the pairs are rebuilt whenever their storage changes)."""
-    return sharding.local(t) if sharding.is_sharded(t) else t.detach()
 
 
 def _single_tensor_ema(avg: list[torch.Tensor], src: list[torch.Tensor], averaged: list[bool], w: float) -> None:

@@ -358,16 +358,20 @@ class WeightDecay(DeclaredRule):
             self._live = saved
 
     def bind(self, ctx: CommitContext, live: list[Any]) -> Any:
-        """The separate pass's foreach lists: ``[(tensors, Factors)]`` per device and dtype (plain
-        tensors, foreach path; a DTensor's local shard is looked up at each commit)."""
+        """The separate pass's foreach lists: ``[(tensors, Factors)]`` per device and dtype, of plain
+        aliases (``common.aliases``; foreach path of plain tensors: a DTensor's local shard is looked up
+        at each commit, and a traced commit takes the tensors themselves)."""
         if self.plan is None or not self.foreach or sharding.any_sharded(live):
             return None
-        return [(aliases(ts), f) for ts, f in _foreach_lists(live, self.plan[0][2])]
+        lists = _foreach_lists(live, self.plan[0][2])
+        return lists if torch.compiler.is_compiling() else [(aliases(ts), f) for ts, f in lists]
 
     def run(self, ctx: CommitContext, live: list[Any], args: Any) -> None:
         (idx, gis, foreach_groups), lent, _double = self.plan
         groups = ctx.optimizer.param_groups
         if args is not None and not lent:
+            if torch.compiler.is_compiling():  # the tensors themselves: dynamo guards them already
+                args = _foreach_lists(live, foreach_groups)
             with plain_if(self._sub):
                 _multi_tensor_weight_decay([(ts, f.get(groups, self.scale_by_lr)) for ts, f in args])
             return

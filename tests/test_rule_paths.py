@@ -103,16 +103,19 @@ def _tensors(dtypes=(torch.float32, torch.float64, torch.bfloat16), seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_weight_decay_functions_are_bitwise_equal(dtype):
     from paramupdates.rules.weight_decay import (
+        Factors,
         _multi_tensor_weight_decay,
         _single_tensor_weight_decay,
-        factors_for,
     )
 
     ts = _tensors((dtype,))
-    factors = [1.0 - 0.05 * r for r in (0.1, 0.2, 0.0, 0.5, 0.01)]
+    rates = (0.1, 0.2, 0.0, 0.5, 0.01)
+    factors = [1.0 - 0.05 * r for r in rates]
+    # the foreach path's factors as a commit makes them: one param group (lr 0.05), a rate per tensor
+    made = Factors(torch.device("cpu"), dtype, [(0, r) for r in rates], list(range(len(ts))))
     single, multi = [t.clone() for t in ts], [t.clone() for t in ts]
     _single_tensor_weight_decay(single, factors)
-    _multi_tensor_weight_decay([(multi, factors_for(torch.device("cpu"), dtype, factors))])
+    _multi_tensor_weight_decay([(multi, made.get([{"lr": 0.05}], True))])
     assert_same(snapshot(*single), snapshot(*multi))
     assert not torch.equal(single[0], ts[0])  # (it did something)
 

@@ -493,11 +493,10 @@ def _single_tensor_constraint(c: Constraint, ts: list[torch.Tensor], names: list
                 t.copy_(new)
 
 
-def _multi_tensor_constraint(c: Constraint, ts: list[torch.Tensor], plan: Any, bound: Any = None) -> None:
+def _multi_tensor_constraint(c: Constraint, ts: list[torch.Tensor], plan: Any) -> None:
     """``t <- c(t)`` for every tensor, in place, per device, dtype and rank (``c.apply_``: the norms of a
-    group, its factors in one pass, one ``torch._foreach_mul_``). ``bound``: ``c.bind_(ts, plan)``, made
-    once while the plan holds (then ``ts`` and ``plan`` are not read)."""
-    c.run_(c.bind_(ts, plan) if bound is None else bound)
+    group, its factors in one pass, one ``torch._foreach_mul_``; ``c.bind_`` then ``c.run_``)."""
+    c.apply_(ts, plan)
 
 
 class Constrain(DeclaredRule):
@@ -564,22 +563,16 @@ class Constrain(DeclaredRule):
 
     def bind(self, ctx: CommitContext, live: list[Any]) -> Any:
         """The constraint's lists for plain aliases of the live tensors (``Constraint.bind_``, the
-        foreach path of a constraint on plain tensors; a traced commit binds the tensors themselves)."""
-        if self._sharded or not self.foreach:
+        foreach path of a constraint on plain tensors). ``None`` (:meth:`run` makes them each commit)
+        for DTensors, the reference path, and a traced commit, which takes the tensors themselves:
+        dynamo guards them already (an alias would be one more)."""
+        if self._sharded or not self.foreach or torch.compiler.is_compiling():
             return None
-        ts = [t for t in live if t is not None]
-        if torch.compiler.is_compiling():
-            with plain_if(self._sub):
-                return self.constraint.bind_(ts, self.plan)
-        return self.constraint.bind_(aliases(ts), self.plan)
+        return self.constraint.bind_(aliases([t for t in live if t is not None]), self.plan)
 
     def run(self, ctx: CommitContext, live: list[Any], args: Any) -> None:
-        if args is not None:
-            with plain_if(self._sub):
-                if torch.compiler.is_compiling():  # the tensors themselves: dynamo guards them already
-                    _multi_tensor_constraint(self.constraint, [t for t in live if t is not None], self.plan)
-                else:
-                    _multi_tensor_constraint(self.constraint, [], None, args)
+        if args is not None and not torch.compiler.is_compiling():
+            self.constraint.run_(args)  # (plain aliases: no subclass to step around)
             return
         ts = [t for t in live if t is not None]
         if self._sharded:  # DTensors: local shards, and one all-reduce for norms over sharded dims

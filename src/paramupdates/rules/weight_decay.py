@@ -86,31 +86,22 @@ def _multi_tensor_weight_decay(groups: list[tuple[list[torch.Tensor], list[Any]]
         torch._foreach_mul_(params, factors)
 
 
-def factors_for(dev: torch.device, dt: torch.dtype, factors: list[float]) -> list[Any]:
-    """The factors of one foreach group. On CPU 0-dim tensors, in float32 (float64 for float64
-    tensors): 2-3x faster than Python scalars there (no scalar wrapped per tensor), the products of
-    ``Tensor.mul_(scalar)`` bitwise, and right for bfloat16/float16 too, where
-    ``torch._foreach_mul_(ts, scalar)`` on CPU rounds the scalar to the tensors' dtype first
-    (``1 - 1e-3`` becomes 1.0 in bfloat16) while ``Tensor.mul_`` computes in float32."""
-    if dev.type != "cpu":
-        return list(factors)
-    return list(torch.tensor(factors, dtype=_factor_dtype(dt)).unbind())
-
-
-def _factor_dtype(dt: torch.dtype) -> torch.dtype:
-    return torch.float64 if dt == torch.float64 else torch.float32
-
-
 class Factors:
     """The factors ``1 - lr_g * rate`` of one foreach group (one device and dtype), made at each commit
     from the learning rates the param groups have then, with no Python work per tensor.
 
     A learning rate changes every step under a schedule: it is not part of the plan. The group's
-    tensors take their factors from a few *combinations* ``(param group, rate)``. On CPU the factors
-    are 0-dim views into one buffer (:func:`factors_for`), refilled in place when a learning rate
-    changed (one ``fill_`` for one combination); elsewhere a list of Python floats, made again when a
-    learning rate changed. A tensor learning rate (``capturable``; a scheduler fills it in
-    place) is read on the device at every commit, never on the host: ``1 - lr * rate`` per combination.
+    tensors take their factors from a few *combinations* ``(param group, rate)``.
+
+    * On CPU the factors are 0-dim tensors, in float32 (float64 for float64 tensors): views into one
+      buffer, refilled in place when a learning rate changed (one ``fill_`` for one combination).
+      They are 2-3x faster than Python scalars there (no scalar wrapped per tensor), the products of
+      ``Tensor.mul_(scalar)`` bitwise, and right for bfloat16/float16 too, where
+      ``torch._foreach_mul_(ts, scalar)`` on CPU rounds the scalar to the tensors' dtype first
+      (``1 - 1e-3`` becomes 1.0 in bfloat16) while ``Tensor.mul_`` computes in float32.
+    * Elsewhere a list of Python floats, made again when a learning rate changed.
+    * A tensor learning rate (``capturable``; a scheduler fills it in place) is read on the device at
+      every commit, never on the host: ``1 - lr * rate`` per combination.
     """
 
     __slots__ = ("combos", "of", "cpu", "dtype", "buf", "index", "values", "lrs")
@@ -119,7 +110,7 @@ class Factors:
         self.combos = combos  # (param group index, rate), in first-seen order
         self.of = of  # the combination of each tensor of the group
         self.cpu = dev.type == "cpu"
-        self.dtype = _factor_dtype(dt)
+        self.dtype = torch.float64 if dt == torch.float64 else torch.float32
         self.buf: torch.Tensor | None = None
         self.index = torch.tensor(of, dtype=torch.long) if len(combos) > 1 else None
         self.values: list[Any] = []
@@ -128,14 +119,13 @@ class Factors:
     def get(self, groups: list[dict], scale_by_lr: bool) -> list[Any]:
         """The factors of the group's tensors, in order, for this commit."""
         lrs = tuple([groups[gi]["lr"] if scale_by_lr else 1.0 for gi, _ in self.combos])
-        if not all(isinstance(lr, int | float) for lr in lrs):
-            # tensor learning rates: on the device, at every commit (never kept, never read on the host)
-            self.lrs = None
-            per = [1.0 - lr * rate for lr, (_, rate) in zip(lrs, self.combos)]
-            return [per[c] for c in self.of]
-        if lrs == self.lrs:
+        numbers = all(isinstance(lr, int | float) for lr in lrs)
+        if numbers and lrs == self.lrs:
             return self.values
         per = [1.0 - lr * rate for lr, (_, rate) in zip(lrs, self.combos)]
+        if not numbers:  # tensor learning rates: on the device, at every commit (never kept)
+            self.lrs = None
+            return [per[c] for c in self.of]
         if not self.cpu:
             self.values = [per[c] for c in self.of]
         elif self.buf is None:
@@ -359,19 +349,17 @@ class WeightDecay(DeclaredRule):
 
     def bind(self, ctx: CommitContext, live: list[Any]) -> Any:
         """The separate pass's foreach lists: ``[(tensors, Factors)]`` per device and dtype, of plain
-        aliases (``common.aliases``; foreach path of plain tensors: a DTensor's local shard is looked up
-        at each commit, and a traced commit takes the tensors themselves)."""
-        if self.plan is None or not self.foreach or sharding.any_sharded(live):
+        aliases (``common.aliases``; foreach path of plain tensors). ``None`` (:meth:`run` makes the
+        lists each commit): a DTensor's local shard is looked up at each commit, and a traced commit
+        takes the tensors themselves, which dynamo guards already (an alias would be one more)."""
+        if self.plan is None or not self.foreach or sharding.any_sharded(live) or torch.compiler.is_compiling():
             return None
-        lists = _foreach_lists(live, self.plan[0][2])
-        return lists if torch.compiler.is_compiling() else [(aliases(ts), f) for ts, f in lists]
+        return [(aliases(ts), f) for ts, f in _foreach_lists(live, self.plan[0][2])]
 
     def run(self, ctx: CommitContext, live: list[Any], args: Any) -> None:
         (idx, gis, foreach_groups), lent, _double = self.plan
         groups = ctx.optimizer.param_groups
-        if args is not None and not lent:
-            if torch.compiler.is_compiling():  # the tensors themselves: dynamo guards them already
-                args = _foreach_lists(live, foreach_groups)
+        if args is not None and not lent and not torch.compiler.is_compiling():
             with plain_if(self._sub):
                 _multi_tensor_weight_decay([(ts, f.get(groups, self.scale_by_lr)) for ts, f in args])
             return

@@ -195,6 +195,10 @@ def foreach_variant(
     # (decay skips the others, as torch.optim does), and the optimizer's parameters by identity
     members = Referents(params)
 
+    def stale() -> bool:
+        """The storage of a touched tensor changed, or a decayed weight has no gradient."""
+        return tuple(map(_data_ptr, touched)) != key or any_none(list(map(_grad_of, weights)))
+
     def run():
         nonlocal factors
         if sched:
@@ -204,13 +208,11 @@ def foreach_variant(
             else:
                 factors = 1 - lr * WD
         if plan_checked and (
-            tuple(map(_data_ptr, touched)) != key
-            or any_none(list(map(_grad_of, weights)))
-            or not members.same(list(itertools.chain.from_iterable([g["params"] for g in opt.param_groups])))
+            stale() or not members.same(list(itertools.chain.from_iterable([g["params"] for g in opt.param_groups])))
         ):
             raise RuntimeError("changed")
         if checked:
-            if tuple(map(_data_ptr, touched)) != key or any(g is None for g in map(_grad_of, weights)):
+            if stale():
                 raise RuntimeError("changed")
             found = torch.zeros(1, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(list(map(_grad_of, params)), found, one)

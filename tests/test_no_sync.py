@@ -66,27 +66,45 @@ def _forward(m, x):
     return m(x).square().mean()
 
 
-def _bare_syncs(opt_cls):
+def _lr(schedule):
+    """The learning rate: a float, or (``"tensor"``) a tensor that a scheduler fills in place."""
+    return torch.tensor(0.1) if schedule == "tensor" else 0.1
+
+
+def _schedule(opt, schedule, step):
+    """A new learning rate between steps, as torch.optim.lr_scheduler sets it (a tensor lr in place)."""
+    for g in opt.param_groups:
+        if schedule == "tensor":
+            g["lr"].fill_(0.1 / (1 + step))
+        elif schedule == "float":
+            g["lr"] = 0.1 / (1 + step)
+
+
+def _bare_syncs(opt_cls, schedule=None):
     """What the bare optimizer's step makes (torch's Adam reads its step count with .item() on CPU)."""
     m = _model()
-    opt = opt_cls(m.parameters(), lr=0.1)
+    opt = opt_cls(m.parameters(), lr=_lr(schedule))
     m(torch.randn(6, 4)).square().mean().backward()
     with Syncs() as s:
         opt.step()
     return s.calls
 
 
+@pytest.mark.parametrize("schedule", [None, "float", "tensor"])
 @pytest.mark.parametrize("opt_cls", [torch.optim.SGD, torch.optim.Adam])
 @pytest.mark.parametrize("how", ["step", "attach", "accumulate"])
-def test_the_default_commit_makes_no_host_sync(how, opt_cls):
+def test_the_default_commit_makes_no_host_sync(how, opt_cls, schedule):
+    """Also under a learning-rate schedule: weight decay makes its factors from the learning rate at
+    each commit, and reads a tensor learning rate on the device."""
     m = _model()
     _declare(m)
-    opt = opt_cls(m.parameters(), lr=0.1)
+    opt = opt_cls(m.parameters(), lr=_lr(schedule))
     x = torch.randn(6, 4)
     counter = Syncs()
     if how != "step":
         pu.attach(m, opt)
-    for _ in range(3):  # the first commit plans, the later ones reuse the plans
+    for step in range(3):  # the first commit plans, the later ones reuse the plans
+        _schedule(opt, schedule, step)
         opt.zero_grad()
         if how == "step":
             with pu.step(m, opt):
@@ -100,7 +118,7 @@ def test_the_default_commit_makes_no_host_sync(how, opt_cls):
         counter.calls.clear()
         with counter:
             opt.step()
-    assert counter.calls == _bare_syncs(opt_cls)
+    assert counter.calls == _bare_syncs(opt_cls, schedule)
     assert int(m.seen) > 0
 
 

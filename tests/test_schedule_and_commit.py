@@ -36,9 +36,8 @@ def test_schedule_rows_and_table():
     assert "when(tensor)" in text and "SGD.step" in text
 
 
-def test_commit_uses_one_foreach_copy_per_device_and_dtype(monkeypatch):
-    m = Many(12)
-    calls = []
+def _count_foreach_copies(monkeypatch) -> list[int]:
+    calls: list[int] = []
     real = torch._foreach_copy_
 
     def counting(dst, src, *a, **k):
@@ -46,9 +45,44 @@ def test_commit_uses_one_foreach_copy_per_device_and_dtype(monkeypatch):
         return real(dst, src, *a, **k)
 
     monkeypatch.setattr(torch, "_foreach_copy_", counting)
+    return calls
+
+
+def test_commit_copies_on_cpu_with_one_foreach_call_whatever_the_dtypes(monkeypatch):
+    # torch._foreach_copy_ on CPU copies pair by pair (Tensor.copy_, any dtypes): grouping by dtype
+    # first would only add a pass over the tensors
+    m = Many(12)
+    calls = _count_foreach_copies(monkeypatch)
     with pu.step(m):
         for i in range(12):
             pu.assign(getattr(m, f"b{i}"), torch.full((3,), float(i)))
-        pu.assign(m.h, torch.ones(3, dtype=torch.float64))
-    assert sorted(calls) == [1, 12]  # float32 group and float64 group
+        pu.assign(m.h, torch.full((3,), 0.1, dtype=torch.float64))
+    assert calls == [13]
     assert all(float(getattr(m, f"b{i}")[0]) == i for i in range(12))
+    assert m.h.dtype == torch.float64 and torch.equal(m.h, torch.full((3,), 0.1, dtype=torch.float64))
+
+
+def test_batch_norm_statistics_commit_in_one_foreach_call_on_cpu(monkeypatch):
+    # the rows of pu.nn's statistics: float32 means and variances and int64 counters, one call
+    model = nn.Sequential(pu.nn.BatchNorm1d(3), pu.nn.BatchNorm1d(3))
+    reference = nn.Sequential(nn.BatchNorm1d(3), nn.BatchNorm1d(3))
+    x = torch.randn(5, 3)
+    calls = _count_foreach_copies(monkeypatch)
+    with pu.step(model):
+        model(x)
+    reference(x)
+    assert calls == [6]
+    for mine, theirs in zip(model.state_dict().values(), reference.state_dict().values()):
+        assert mine.dtype == theirs.dtype and torch.equal(mine, theirs)
+
+
+def test_off_cpu_pairs_are_copied_per_device_and_dtype(monkeypatch):
+    # an accelerator's one-launch path needs one device and dtype: one call per group (meta tensors
+    # stand in for a device here; CPU takes the one-call path above)
+    from paramupdates.commit.driver import copy_pairs
+
+    dst = [torch.empty(3, device="meta") for _ in range(4)] + [torch.empty(2, device="meta", dtype=torch.int64)]
+    src = [torch.empty_like(t) for t in dst]
+    calls = _count_foreach_copies(monkeypatch)
+    copy_pairs(dst, src)
+    assert sorted(calls) == [1, 4]

@@ -71,6 +71,29 @@ def test_the_guard_is_one_hook_and_refuses_another_threads_step_too():
     assert int(opt.state[m.lin.weight]["step"]) == 4
 
 
+def test_a_stepper_finds_its_guard_again_when_the_hooks_were_cleared():
+    """A Stepper looks its guard up once and then only checks it is still registered: pre-hooks
+    cleared between steps (a framework resetting the optimizer's hooks) get it installed again, and
+    an optimizer.step() in the block is still refused before it writes."""
+    m, opt, avg = _rules_model()
+    stepper = pu.Stepper(m, opt)
+    with stepper:
+        m(torch.randn(8, 4)).square().sum().backward()
+    opt.zero_grad()
+    assert len(opt._optimizer_step_pre_hooks) == 1
+    opt._optimizer_step_pre_hooks.clear()
+    m(torch.randn(8, 4)).square().sum().backward()
+    before = snapshot(m, opt, avg)
+    with pytest.raises(pu.UpdateError, match="owns that optimizer step"):
+        with stepper:
+            opt.step()
+    assert_same(before, snapshot(m, opt, avg))
+    assert len(opt._optimizer_step_pre_hooks) == 1
+    with stepper:  # and the commit's own step goes through
+        pass
+    assert int(opt.state[m.lin.weight]["step"]) == 2
+
+
 def test_gradscaler_step_inside_pu_step_raises():
     m, opt, avg = _rules_model()
     scaler = torch.amp.GradScaler("cpu")

@@ -75,6 +75,7 @@ class Stepper(Owner):
                 "(torch.amp.GradScaler.step does not support closures)."
             )
         self._journal: Journal | None = None
+        self._guard: tuple[Any, dict, Any] | None = None  # (optimizer, its pre-hooks, the guard's key there)
 
     def step(self, closure: Callable[[], Any] | None = None) -> StepBlock:
         """Context manager: one step; commits on a clean exit, discards on an exception."""
@@ -113,8 +114,21 @@ class Stepper(Owner):
         self._journal = j
         routing.enter(j)
         if self.optimizer is not None:
-            j.guarded = _guard_optimizer(self.optimizer)
+            j.guarded = self._guarded()
         return j
+
+    def _guarded(self) -> Any:
+        """:func:`_guard_optimizer` of this stepper's optimizer, looked for once: later steps only check
+        (one dict look-up) that the guard is still among its pre-hooks."""
+        g = self._guard
+        if g is not None and g[1].get(g[2]) is _refuse_foreign_step:
+            return g[0]
+        opt = _guard_optimizer(self.optimizer)
+        if opt is not None:
+            hooks_ = opt._optimizer_step_pre_hooks
+            key = next(k for k, h in hooks_.items() if h is _refuse_foreign_step)
+            self._guard = (opt, hooks_, key)
+        return opt
 
     def _close(self, j: Journal) -> None:
         routing.leave(j)

@@ -32,6 +32,10 @@ and range over the rounds, and the ratio of the minima):
   every tensor the rules touch, which decayed weights have a gradient, and the optimizer's
   parameters by identity. The floor of ``pu (default)``: torch has no counter that changes when
   ``.data`` is replaced (``_version`` does not), so one pass in C over those tensors remains;
+* ``pu rules, no step`` (diagnostic): the same declared rules, called as pu's commit calls them
+  (``RuleSet.check``, then each rule's ``apply`` in its phase around ``optimizer.step()``) but
+  without ``pu.step``'s machinery (opening the step and its journal, the commit object, its
+  bookkeeping): what the rules themselves cost, to read against ``foreach + plan checks``;
 * ``pu (lr schedule)`` / ``foreach (lr schedule)``: the same with a new learning rate every step (what
   ``torch.optim.lr_scheduler`` does), the hand-written variant refilling its decay factors;
 * ``foreach + checks``: ``foreach`` plus one pass over the storage of the tensors the
@@ -124,6 +128,38 @@ def pu_variant(
             group["lr"] = schedule(next(steps))  # what a torch.optim.lr_scheduler does between steps
         with stepper:
             pass
+
+    return run, model
+
+
+def rules_variant(size: str, real_opt: bool, device: torch.device):
+    """``pu rules, no step``: pu's declared rules, checked and applied as its commit does, without the step."""
+    from paramupdates.phases import AFTER_GRAD, AFTER_STEP, BEFORE_GRAD
+    from paramupdates.rules.base import CommitContext, RuleSet, rules_for
+    from paramupdates.targets import index_of
+
+    model, opt = setup(size, real_opt, device)
+    weights = [p for p in model.parameters() if p.ndim == 2]
+    pu.weight_decay(model, WD)
+    pu.constrain(weights, pu.max_norm(MAX))
+    pu.ema(model, DECAY)
+    index, ruleset = index_of(model), RuleSet()
+
+    def run():
+        rules = rules_for(index)
+        ctx = CommitContext(opt, index, None, rules)
+        ruleset.check(rules, ctx)
+        with torch.no_grad():
+            for r in rules:
+                if r.phase == BEFORE_GRAD:
+                    r.apply(ctx)
+            opt.step()
+            for r in rules:
+                r.optimizer_done()
+            for phase in (AFTER_GRAD, AFTER_STEP):
+                for r in rules:
+                    if r.phase == phase:
+                        r.apply(ctx)
 
     return run, model
 
@@ -245,6 +281,7 @@ VARIANTS = (
     "foreach + plan checks",
     "foreach + checks",
     "foreach (lr schedule)",
+    "pu rules, no step",
 )
 
 
@@ -260,6 +297,7 @@ def bench(size: str, real_opt: bool, rounds: int, iters: int, device: torch.devi
         "foreach + plan checks": lambda: foreach_variant(size, real_opt, device, plan_checked=True),
         "pu (lr schedule)": lambda: pu_variant(size, real_opt, device, False, sched=True),
         "foreach (lr schedule)": lambda: foreach_variant(size, real_opt, device, sched=True),
+        "pu rules, no step": lambda: rules_variant(size, real_opt, device),
     }
     variants, models = {}, []
     try:
@@ -296,6 +334,8 @@ def rows(
                     f"loop {med['loop'] / f:.3f}; "
                     f"pu / (foreach + plan checks) {ratios(t, 'pu (default)', 'foreach + plan checks').median:.3f}, "
                     f"that floor {med['foreach + plan checks'] / f:.3f}; "
+                    f"pu's rules without pu.step / that floor "
+                    f"{ratios(t, 'pu rules, no step', 'foreach + plan checks').median:.3f}; "
                     f"lr schedule: pu / foreach {ratios(t, 'pu (lr schedule)', 'foreach (lr schedule)').median:.3f}; "
                     f"on_nonfinite='skip' {ratios(t, 'pu (on_nonfinite)', 'foreach').median:.3f} "
                     f"(its floor, foreach + checks: {med['foreach + checks'] / f:.3f}); "
@@ -326,6 +366,11 @@ def report(title: str, times: dict[str, list[float]]) -> None:
     r = ratios(times, "pu (default)", "foreach + plan checks")
     print(
         f"  default           : pu / floor   = {r.median:5.3f}x (range {r.spread()}): what pu adds beyond those checks"
+    )
+    r = ratios(times, "pu rules, no step", "foreach + plan checks")
+    print(
+        f"  rules, no step    : pu's rules without pu.step / floor = {r.median:5.3f}x (range {r.spread()}): the rules "
+        "themselves; pu (default) adds the step's machinery to them"
     )
     r = ratios(times, "pu (lr schedule)", "foreach (lr schedule)")
     print(f"  lr schedule       : pu / foreach = {r.median:5.3f}x (range {r.spread()}): a new learning rate every step")

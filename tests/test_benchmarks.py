@@ -56,3 +56,17 @@ def test_compiled_split_runs_and_prints_every_part():
     assert out.returncode == 0, out.stderr[-3000:]
     for part in ("forward", "backward", "step / commit", "whole step", "guard check, torch", "guard check, pu.step"):
         assert part in out.stdout, part
+
+
+@pytest.mark.compile
+def test_compiled_record_runs_and_prints_every_variant():
+    out = subprocess.run(
+        [sys.executable, "benchmarks/compiled_record.py", "--calls", "2", "--backend", "eager"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    for variant in ("torch", "pu ", "pu, values only", "pu, nothing recorded"):
+        assert f"  {variant}" in out.stdout, variant

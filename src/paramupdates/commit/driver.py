@@ -143,7 +143,7 @@ class Commit:
             self._scaler_skip()
             return False
         params, grads = self._grads_to_check()
-        sharded = j.any_sharded or sharding.any_sharded(grads)
+        sharded = j.any_sharded or (bool(grads) and sharding.any_sharded(grads))
         remote_bad, agreed = self._reduce_synced(grads, sharded)
         remote_bad = self._agree_sharded(grads, sharded, remote_bad, agreed)
         if self.options.check_finite:

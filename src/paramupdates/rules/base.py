@@ -20,6 +20,7 @@ Caching, one boundary each (the rows of ``benchmarks/rules.py`` they were kept f
 
 from __future__ import annotations
 
+import operator
 import os
 import sys
 import warnings
@@ -424,11 +425,14 @@ class RuleSet:
     def _revalidate(self, rules: list[Rule], ctx: CommitContext) -> bool:
         if self._sig is None or self._sig != self._signature(rules, ctx):
             return False
-        if any(a is not b for a, b in zip(rules, self._rules)):
+        if not all(map(operator.is_, rules, self._rules)):
             return False
         if storage_key(self._union, self._sub, self._sharded) != self._key:
             return False
-        return all(rule.revalidate(ctx, held, bound) for rule, held, bound in zip(rules, self._held, self._bound))
+        for rule, held, bound in zip(rules, self._held, self._bound):
+            if not rule.revalidate(ctx, held, bound):
+                return False
+        return True
 
     def _record(self, rules: list[Rule], ctx: CommitContext) -> None:
         held = [rule.fingerprint() for rule in rules]

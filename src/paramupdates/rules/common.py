@@ -82,9 +82,12 @@ def aliases(ts: list[torch.Tensor]) -> list[torch.Tensor]:
         return list(map(_detach, ts))
 
 
+_NOTHING = contextlib.nullcontext()  # (reusable and reentrant: one for every plain_if(False))
+
+
 def plain_if(flag: bool) -> Any:
     """``no_subclass()`` when ``flag`` (it slows every op down a little, so only where needed)."""
-    return no_subclass() if flag else contextlib.nullcontext()
+    return no_subclass() if flag else _NOTHING
 
 
 def named_tensors(obj: Any, fn: str) -> Named:
@@ -346,7 +349,9 @@ def storage_key(ts: list[torch.Tensor], sub: bool = True, sharded: bool = True) 
         # reads each tensor's storage as it is at the call. One hash, not a tuple: dynamo guards a
         # constant the trace compares element by element (thousands of guards, run at every call).
         return (hash(tuple((t.dtype, t.device, t.shape) for t in ts)),)
-    with plain_if(sub):
+    if not sub:
+        return tuple(map(_data_ptr, ts))
+    with no_subclass():
         return tuple(map(_data_ptr, ts))
 
 

@@ -70,7 +70,8 @@ if TYPE_CHECKING:
     from .base import CommitContext
 
 Exclude = Callable[[str, torch.Tensor], bool]
-_grad_of = torch._C.TensorBase.grad.__get__  # the C getter, mapped without a Python-level loop
+_grad_of = torch._C.TensorBase.grad.__get__
+_NUMBER = (int, float)  # the C getter, mapped without a Python-level loop
 
 
 # --- the math ---------------------------------------------------------------------------------------------
@@ -224,12 +225,14 @@ class WeightDecay(DeclaredRule):
         """``(group sizes, lrs, own decays, whether a group can decay in its kernel)``, per group; the
         last (``[3]``) decides whose gradients the plan key covers (every optimizer parameter's, or
         the covered ones')."""
-        return (
-            tuple([len(g["params"]) for g in groups]),
-            tuple([isinstance(g["lr"], int | float) for g in groups]) if self.scale_by_lr else (),  # (not the value)
-            tuple([(g.get("weight_decay", 0), g.get("decoupled_weight_decay")) for g in groups]),
-            self.scale_by_lr and any(["decoupled_weight_decay" in g for g in groups]),
-        )
+        sizes, numbers, decays, kernel = [], [], [], False
+        for g in groups:  # (one pass: this runs at every commit)
+            sizes.append(len(g["params"]))
+            numbers.append(isinstance(g["lr"], _NUMBER))  # (not the value)
+            decays.append((g.get("weight_decay", 0), g.get("decoupled_weight_decay")))
+            kernel = kernel or "decoupled_weight_decay" in g
+        scaled = self.scale_by_lr
+        return (tuple(sizes), tuple(numbers) if scaled else (), tuple(decays), scaled and kernel)
 
     def _grad_key(self, ts: list[torch.Tensor]) -> tuple[bool, ...] | bool:
         """Which of ``ts`` have a gradient (``True``: all of them)."""

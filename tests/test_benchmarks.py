@@ -44,29 +44,28 @@ def test_device_cuda_without_cuda_says_so():
     assert "Traceback" not in out.stderr
 
 
-@pytest.mark.compile
-def test_compiled_split_runs_and_prints_every_part():
+def _script(path: str, *args: str) -> subprocess.CompletedProcess:
+    """Run ``benchmarks/<path>`` with the eager backend (a smoke test: no inductor compile)."""
     out = subprocess.run(
-        [sys.executable, "benchmarks/compiled_split.py", "--steps", "2", "--backend", "eager"],
+        [sys.executable, f"benchmarks/{path}", *args, "--backend", "eager"],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+@pytest.mark.compile
+def test_compiled_split_runs_and_prints_every_part():
+    out = _script("compiled_split.py", "--steps", "2")
     for part in ("forward", "backward", "step / commit", "whole step", "guard check, torch", "guard check, pu.step"):
         assert part in out.stdout, part
 
 
 @pytest.mark.compile
 def test_compiled_record_runs_and_prints_every_variant():
-    out = subprocess.run(
-        [sys.executable, "benchmarks/compiled_record.py", "--calls", "2", "--backend", "eager"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = _script("compiled_record.py", "--calls", "2")
     for variant in ("torch", "pu ", "pu, values only", "pu, nothing recorded"):
         assert f"  {variant}" in out.stdout, variant

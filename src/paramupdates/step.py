@@ -121,7 +121,7 @@ class Stepper(Owner):
         """:func:`_guard_optimizer` of this stepper's optimizer, looked for once: later steps only check
         (one dict look-up) that the guard is still among its pre-hooks."""
         g = self._guard
-        if g is not None and g[1].get(g[2]) is _refuse_foreign_step:
+        if g is not None and g[0]._optimizer_step_pre_hooks is g[1] and g[1].get(g[2]) is _refuse_foreign_step:
             return g[0]
         opt = _guard_optimizer(self.optimizer)
         if opt is not None:

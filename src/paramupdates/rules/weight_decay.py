@@ -70,8 +70,8 @@ if TYPE_CHECKING:
     from .base import CommitContext
 
 Exclude = Callable[[str, torch.Tensor], bool]
-_grad_of = torch._C.TensorBase.grad.__get__
-_NUMBER = (int, float)  # the C getter, mapped without a Python-level loop
+_grad_of = torch._C.TensorBase.grad.__get__  # the C getter, mapped without a Python-level loop
+_NUMBER = (int, float)  # a learning rate that is a number (else a tensor)
 
 
 # --- the math ---------------------------------------------------------------------------------------------

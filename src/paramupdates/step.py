@@ -123,12 +123,8 @@ class Stepper(Owner):
         g = self._guard
         if g is not None and g[0]._optimizer_step_pre_hooks is g[1] and g[1].get(g[2]) is _refuse_foreign_step:
             return g[0]
-        opt = _guard_optimizer(self.optimizer)
-        if opt is not None:
-            hooks_ = opt._optimizer_step_pre_hooks
-            key = next(k for k, h in hooks_.items() if h is _refuse_foreign_step)
-            self._guard = (opt, hooks_, key)
-        return opt
+        self._guard = g = _guard_optimizer(self.optimizer)
+        return None if g is None else g[0]
 
     def _close(self, j: Journal) -> None:
         routing.leave(j)
@@ -184,19 +180,21 @@ class StepBlock:
         self.stepper._finish(j, self.closure if self.closure is not None else self.stepper.closure)
 
 
-def _guard_optimizer(optimizer: Any) -> Any:
-    """The optimizer whose step pre-hooks run (``hookable``), with :func:`_refuse_foreign_step` among them,
-    first (before an attachment's pre-hook): installed at its first ``pu.step``, kept while the optimizer
-    lives (it does nothing outside a ``pu.step`` block). ``None``: no step hooks to guard with."""
+def _guard_optimizer(optimizer: Any) -> tuple[Any, dict, Any] | None:
+    """``(the optimizer whose step pre-hooks run (hookable), its pre-hooks, the key of``
+    :func:`_refuse_foreign_step` ``among them)``: the guard goes first (before an attachment's pre-hook),
+    installed at the optimizer's first ``pu.step`` and kept while the optimizer lives (it does nothing
+    outside a ``pu.step`` block). ``None``: no step hooks to guard with."""
     try:
         opt = hookable(optimizer)
     except UpdateError:
         return None
     hooks_ = opt._optimizer_step_pre_hooks
-    if _refuse_foreign_step not in hooks_.values():
-        handle = opt.register_step_pre_hook(_refuse_foreign_step)
-        hooks_.move_to_end(handle.id, last=False)
-    return opt
+    key = next((k for k, h in hooks_.items() if h is _refuse_foreign_step), None)
+    if key is None:
+        key = opt.register_step_pre_hook(_refuse_foreign_step).id
+        hooks_.move_to_end(key, last=False)
+    return opt, hooks_, key
 
 
 def _refuse_foreign_step(o: Any, args: Any, kwargs: Any) -> None:

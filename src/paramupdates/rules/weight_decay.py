@@ -120,7 +120,7 @@ class Factors:
     def get(self, groups: list[dict], scale_by_lr: bool) -> list[Any]:
         """The factors of the group's tensors, in order, for this commit."""
         lrs = tuple([groups[gi]["lr"] if scale_by_lr else 1.0 for gi, _ in self.combos])
-        numbers = all(isinstance(lr, int | float) for lr in lrs)
+        numbers = all(isinstance(lr, _NUMBER) for lr in lrs)
         if numbers and lrs == self.lrs:
             return self.values
         per = [1.0 - lr * rate for lr, (_, rate) in zip(lrs, self.combos)]

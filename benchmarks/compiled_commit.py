@@ -37,10 +37,7 @@ TITLE = "compiled commit: torch.compile(opt.step), wd + max_norm + EMA, 300 tens
 
 def pu_compiled(size: str, device: torch.device, backend: str | None):
     model, opt = rules.setup(size, True, device)
-    weights = [p for p in model.parameters() if p.ndim == 2]
-    pu.weight_decay(model, rules.WD)
-    pu.constrain(weights, pu.max_norm(rules.MAX))
-    pu.ema(model, rules.DECAY)
+    rules.declare(model)
     pu.attach(model, opt)
     return (torch.compile(opt.step, backend=backend) if backend else opt.step), model
 

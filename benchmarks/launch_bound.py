@@ -11,7 +11,7 @@ update shows most. Three variants, same weights, same data:
   ``opt.zero_grad(); loss.backward(); opt.step()``;
 * ``pu.step``: ``pu.nn.BatchNorm1d`` (its three statistics per layer go through
   ``pu.assign``: 150 recorded updates per step) in a ``pu.Stepper`` at default
-  settings (validated commit with the finiteness check, no rollback copy);
+  settings (no finiteness check, so no host sync; no rollback copy);
 * ``pu.attach``: the same loop as ``torch``, with ``pu.attach(model, opt)``.
 
 Compiled: the same three with ``torch.compile(model, fullgraph=True)`` on both

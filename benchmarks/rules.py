@@ -45,6 +45,14 @@ and range over the rounds, and the ratio of the minima):
   the least that a commit which checks finiteness before writing (validated commit,
   rule 7, opt in) adds, i.e. the floor of ``pu (on_nonfinite) / foreach``.
 
+Every variant above has a model of its own (allocated one after the other), so a ratio also holds
+where each model's tensors lie in memory and, each round, a cold start (the other variants' models
+ran in between): measured, the same variant differs by up to 5 % from one model to another. So each
+part also runs :func:`bench_same_memory`: ``pu (default)``, ``pu rules, no step``, ``foreach + plan
+checks`` and ``foreach`` on one model, the hand-written variants averaging into pu's EMA copy: the
+same tensors for every variant, every round warm, i.e. the commits alone (printed as "on one
+model"; in ``python -m benchmarks``'s note).
+
 Part A isolates the rules: the optimizer's ``step`` does nothing (so the time is
 the rules plus what pu adds). Part B adds a real ``SGD(foreach=True)`` step to
 every variant. Goal (performance contract): ``pu (default) / foreach`` <= 1.10
@@ -111,14 +119,28 @@ def schedule(step: int) -> float:
     return LR / (1.0 + 1e-3 * step)
 
 
-def pu_variant(
-    size: str, real_opt: bool, device: torch.device, copy: bool, on_nonfinite: str | None = None, sched: bool = False
-):
-    model, opt = setup(size, real_opt, device)
-    weights = [p for p in model.parameters() if p.ndim == 2]
+def declare(model: nn.Module) -> nn.Module:
+    """Declare the rules of this benchmark on ``model``; returns the EMA copy."""
     pu.weight_decay(model, WD)
-    pu.constrain(weights, pu.max_norm(MAX))
-    pu.ema(model, DECAY)
+    pu.constrain([p for p in model.parameters() if p.ndim == 2], pu.max_norm(MAX))
+    return pu.ema(model, DECAY)
+
+
+def pu_variant(
+    size: str,
+    real_opt: bool,
+    device: torch.device,
+    copy: bool,
+    on_nonfinite: str | None = None,
+    sched: bool = False,
+    built: tuple | None = None,
+):
+    """``built``: ``(model, opt)`` with the rules declared already (:func:`bench_same_memory`)."""
+    if built is None:
+        model, opt = setup(size, real_opt, device)
+        declare(model)
+    else:
+        model, opt = built
     stepper = pu.Stepper(model, opt, copy_for_rollback=copy, on_nonfinite=on_nonfinite)
     steps = iter(range(10**9))
     group = opt.param_groups[0]
@@ -132,17 +154,17 @@ def pu_variant(
     return run, model
 
 
-def rules_variant(size: str, real_opt: bool, device: torch.device):
+def rules_variant(size: str, real_opt: bool, device: torch.device, built: tuple | None = None):
     """``pu rules, no step``: pu's declared rules, checked and applied as its commit does, without the step."""
     from paramupdates.phases import AFTER_GRAD, AFTER_STEP, BEFORE_GRAD
     from paramupdates.rules.base import CommitContext, RuleSet, rules_for
     from paramupdates.targets import index_of
 
-    model, opt = setup(size, real_opt, device)
-    weights = [p for p in model.parameters() if p.ndim == 2]
-    pu.weight_decay(model, WD)
-    pu.constrain(weights, pu.max_norm(MAX))
-    pu.ema(model, DECAY)
+    if built is None:
+        model, opt = setup(size, real_opt, device)
+        declare(model)
+    else:
+        model, opt = built
     index, ruleset = index_of(model), RuleSet()
 
     def run():
@@ -168,10 +190,11 @@ _data_ptr = torch._C.TensorBase.data_ptr
 _grad_of = torch._C.TensorBase.grad.__get__
 
 
-def tensors(model: nn.Module) -> tuple[list, list, list]:
-    """``(params, the 2-D weights, an average of every param)`` for the hand-written variants."""
+def tensors(model: nn.Module, copies: bool = True) -> tuple[list, list, list]:
+    """``(params, the 2-D weights, an average of every param)`` for the hand-written variants (``copies``
+    False: no averages, an empty list)."""
     params = list(model.parameters())
-    return params, [p for p in params if p.ndim == 2], [p.detach().clone() for p in params]
+    return params, [p for p in params if p.ndim == 2], [p.detach().clone() for p in params] if copies else []
 
 
 def loop_variant(size: str, real_opt: bool, device: torch.device):
@@ -199,9 +222,15 @@ def foreach_variant(
     checked: bool = False,
     plan_checked: bool = False,
     sched: bool = False,
+    built: tuple | None = None,
 ):
-    model, opt = setup(size, real_opt, device)
-    params, weights, avg = tensors(model)
+    """``built``: ``(model, opt, avg)``, the averages being pu's EMA copy of ``model`` (:func:`bench_same_memory`)."""
+    if built is None:
+        model, opt = setup(size, real_opt, device)
+        params, weights, avg = tensors(model)
+    else:
+        model, opt, avg = built
+        params, weights, _ = tensors(model, copies=False)
     # The row norms as pu computes them on CPU (torch has no foreach norm over a dim): the small
     # weights of one row length concatenated into one vector_norm, the large ones one call each.
     # On an accelerator (launch bound) every weight of one row length goes into one call.
@@ -312,6 +341,43 @@ def bench(size: str, real_opt: bool, rounds: int, iters: int, device: torch.devi
         pu.rules.base.clear()  # the rules declared on this benchmark's models
 
 
+SAME_MEMORY = ("pu (default)", "pu rules, no step", "foreach + plan checks", "foreach")
+
+
+def bench_same_memory(
+    size: str, real_opt: bool, rounds: int, iters: int, device: torch.device = CPU
+) -> dict[str, list[float]]:
+    """:data:`SAME_MEMORY`'s variants all on one model, the hand-written ones averaging into pu's EMA
+    copy: the same tensors at the same addresses for every variant, each round warm (one model's
+    tensors, touched by every variant in turn). :func:`bench` gives each variant a model of its own,
+    so where each model's tensors were allocated, and a cold start of each variant's round (the
+    other variants' models in between), go into its ratios too; this measures the commits alone."""
+    model, opt = setup(size, real_opt, device)
+    avg = list(declare(model).parameters())
+    built = (model, opt)
+    variants = {
+        "pu (default)": pu_variant(size, real_opt, device, False, built=built)[0],
+        "pu rules, no step": rules_variant(size, real_opt, device, built=built)[0],
+        "foreach + plan checks": foreach_variant(size, real_opt, device, plan_checked=True, built=(*built, avg))[0],
+        "foreach": foreach_variant(size, real_opt, device, built=(*built, avg))[0],
+    }
+    try:
+        return interleaved(variants, repeats=rounds, steps=iters)
+    finally:
+        pu.rules.base.clear()
+
+
+def same_memory_line(times: dict[str, list[float]]) -> str:
+    """What :func:`bench_same_memory` measured, as ratios."""
+    return (
+        f"pu / foreach {ratios(times, 'pu (default)', 'foreach').median:.3f}, "
+        f"(foreach + plan checks) / foreach {ratios(times, 'foreach + plan checks', 'foreach').median:.3f}, "
+        f"pu / (foreach + plan checks) {ratios(times, 'pu (default)', 'foreach + plan checks').median:.3f}, "
+        f"pu's rules without pu.step / (foreach + plan checks) "
+        f"{ratios(times, 'pu rules, no step', 'foreach + plan checks').median:.3f}"
+    )
+
+
 def rows(
     device: torch.device = CPU, rounds: int = 15, iters: int = 5, sizes: tuple[str, ...] = ("tiny", "small", "large")
 ) -> list[dict]:
@@ -321,6 +387,7 @@ def rows(
         n = sum(p.numel() for p in make_model(size).parameters())
         for real_opt, part in ((False, "rules only"), (True, "with SGD step")):
             t = bench(size, real_opt, rounds, iters, device)
+            same = bench_same_memory(size, real_opt, rounds, iters, device)
             r = ratios(t, "pu (default)", "foreach")
             med = {k: statistics.median(v) for k, v in t.items()}
             f = med["foreach"]
@@ -339,7 +406,8 @@ def rows(
                     f"lr schedule: pu / foreach {ratios(t, 'pu (lr schedule)', 'foreach (lr schedule)').median:.3f}; "
                     f"on_nonfinite='skip' {ratios(t, 'pu (on_nonfinite)', 'foreach').median:.3f} "
                     f"(its floor, foreach + checks: {med['foreach + checks'] / f:.3f}); "
-                    f"copy_for_rollback {med['pu (copy_for_rollback)'] / f:.3f}",
+                    f"copy_for_rollback {med['pu (copy_for_rollback)'] / f:.3f}; "
+                    f"on one model, the same tensors for every variant: {same_memory_line(same)}",
                 }
             )
     return out
@@ -406,8 +474,13 @@ def main() -> None:
             f"{sum(p.ndim == 2 for p in ps)} decayed and max-normed, {len(ps)} averaged; "
             f"median of {args.rounds} rounds x {args.iters} steps; goal pu (default) / foreach <= {GOALS[size]}"
         )
-        report("A. rules only (optimizer step is a no-op)", bench(size, False, args.rounds, args.iters, device))
-        report("B. with a real SGD(foreach=True) step", bench(size, True, args.rounds, args.iters, device))
+        for part, real_opt in (
+            ("A. rules only (optimizer step is a no-op)", False),
+            ("B. with a real SGD(foreach=True) step", True),
+        ):
+            report(part, bench(size, real_opt, args.rounds, args.iters, device))
+            same = bench_same_memory(size, real_opt, args.rounds, args.iters, device)
+            print(f"  on one model (the same tensors for every variant, each round warm): {same_memory_line(same)}")
     print(f"\n(total {time.perf_counter() - t0:.1f} s)")
 
 

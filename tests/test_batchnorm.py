@@ -345,3 +345,26 @@ def test_pytorchs_own_module_inputs(tcls, pcls, entry):
                 mod.zero_grad()
             n += 1
     assert n >= 14  # every case of the entry, in both modes
+
+
+@pytest.mark.parametrize(
+    ("tcls", "pcls", "shape"),
+    [(nn.BatchNorm1d, pu.nn.BatchNorm1d, (1, 4)), (nn.BatchNorm2d, pu.nn.BatchNorm2d, (1, 4, 1, 1))],
+)
+def test_one_value_per_channel_in_training_raises_torchs_error_and_writes_nothing(tcls, pcls, shape):
+    """The statistics call torch.batch_norm directly (F.batch_norm's wrapper costs 2.3 us a call):
+    F.batch_norm's check of the batch comes with it, the same ValueError, before anything is recorded."""
+    x = torch.randn(*shape)
+    with pytest.raises(ValueError) as theirs:
+        tcls(4)(x)
+    bn = pcls(4)
+    model = nn.Sequential(bn)
+    before = {k: v.clone() for k, v in bn.state_dict().items()}
+    with pytest.raises(ValueError) as ours, pu.step(model) as s:
+        bn(x)
+    assert str(ours.value) == str(theirs.value)
+    assert all(torch.equal(before[k], v) for k, v in bn.state_dict().items())
+    assert len(s.pending_schedule()) == 0 and len(s.schedule()) == 0
+    with pu.step(model):
+        bn(torch.randn(2, *shape[1:]))  # the next step records and commits as usual
+    assert int(bn.num_batches_tracked) == 1

@@ -86,3 +86,28 @@ def test_off_cpu_pairs_are_copied_per_device_and_dtype(monkeypatch):
     calls = _count_foreach_copies(monkeypatch)
     copy_pairs(dst, src)
     assert sorted(calls) == [1, 4]
+
+
+def test_a_batch_norms_rows_show_their_condition_step_by_step():
+    """The schedule item of a row is reused from one step to the next (it holds no tensor); one
+    made under a condition is never taken for the plain one, nor the other way round."""
+    torch.manual_seed(0)
+    model = pu.convert(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)))
+    x = torch.randn(5, 3)
+    seen = []
+    for how in ("plain", "when", "plain", "twice", "plain", "when"):
+        with pu.step(model) as s:
+            if how == "when":
+                with pu.when(torch.tensor(True)):
+                    model(x)
+            else:
+                for _ in range(2 if how == "twice" else 1):
+                    model(x)
+        seen.append([(e.target, e.op, e.condition, e.origin) for e in s.schedule() if e.phase == "auxiliary"])
+    names = ["1.num_batches_tracked", "1.running_mean", "1.running_var"]
+    origin = seen[0][0][3]
+    assert "batchnorm.py" in origin
+    plain = [(n, op, "-", origin) for n, op in zip(names, ("assign_add", "assign", "assign"))]
+    assert seen[0] == seen[2] == seen[4] == plain
+    assert seen[1] == seen[5] == [(n, op, "when(tensor)", o) for n, op, _c, o in plain]
+    assert [(n, c) for n, _op, c, _o in seen[3]] == [(n, "-") for _ in range(2) for n in names]

@@ -25,7 +25,7 @@ from .errors import AmbiguousOrderError, UpdateError
 from .lookup import EAGER, Lookup
 from .ops import apply_op, check_operand
 from .phases import AUXILIARY, ISSUE_PHASES, RECORD_PHASES
-from .records import Entry, Issued, Planned, Record, Row
+from .records import Entry, Issued, Planned, Record, Row, TargetInfo
 from .targets import ModelIndex
 
 _graph_task_id = torch._C._current_graph_task_id
@@ -363,21 +363,37 @@ class Journal:
         cond = _local.conditions[-1]
         pred = cond if isinstance(cond, torch.Tensor) else None
         rows, order, dst, src = self.rows, self.order, self.row_dst, self.row_src
+        ids = None if how.traced else self.row_ids  # (eager: Lookup.rowed, inlined)
         for (t, op, operand, new), info in zip(updates, infos):
             if new.requires_grad:
                 new = new.detach()
             if pred is not None:
                 new = torch.where(pred, new, t)
-            how.rowed(self, t, new, len(rows))
+            if ids is None:
+                how.rowed(self, t, new, len(rows))
+            else:
+                ids[id(t)] = ids[id(new)] = len(rows)
             rows.append(Row(t, info, op, operand, new, pred, origin, len(order)))
             dst.append(t if type(t) in _PLAIN else overlay.plain(t))
             src.append(new)
-            order.append(Planned(info.name, op, pred is not None, origin))  # what the schedule shows
+            order.append(self._planned(info, op, pred is not None, origin, how))  # what the schedule shows
             slots = info.slots
             if slots is not None and slots.get(info.attr) is t:
                 slots[info.attr] = new  # read-your-writes through the module attribute (rule 1)
         self.shown = True
         return True
+
+    @staticmethod
+    def _planned(info: TargetInfo, op: str, conditional: bool, origin: Any, how: Lookup) -> Planned:
+        """What the schedule shows of a row: eagerly the target's last one again where it is the same
+        (a batch norm's statistics: the same three every step; a :class:`Planned` holds no tensor),
+        else a new one (a trace makes a new one: a write to the index would be a side effect)."""
+        if how.traced:  # (not even read: dynamo would guard on what it found)
+            return Planned(info.name, op, conditional, origin)
+        p = info.planned
+        if p is None or p.op != op or p.origin is not origin or p.conditional is not conditional:
+            p = info.planned = Planned(info.name, op, conditional, origin)
+        return p
 
     def _store(
         self, e: Entry, rec: Record, new: torch.Tensor, how: Lookup, pos: int | None = None, show: bool = True

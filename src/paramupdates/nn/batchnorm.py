@@ -23,8 +23,8 @@ module called twice, a checkpoint recomputation under ``pu.checkpoint``)
 read the pending statistics (read-your-writes, rule 1). Outside a step they apply at once, in
 place, exactly like ``torch.nn.BatchNorm*d`` (eager outside a step, rule 8).
 
-On CPU the statistics are computed by PyTorch's own kernel (``F.batch_norm``
-on copies of the running buffers), so outputs, gradients and running
+On CPU the statistics are computed by PyTorch's own kernel (``torch.batch_norm``,
+as ``F.batch_norm`` calls it, on copies of the running buffers), so outputs, gradients and running
 statistics are bitwise those of ``torch.nn.BatchNorm*d``. Under a
 ``torch.func`` transform (``vmap``, ``grad``, ...) an out-of-place path
 computes the same formulas with ``torch.var_mean`` (equal to rounding).
@@ -66,6 +66,15 @@ def _nothing_records() -> bool:
     if torch._C._functorch.maybe_current_level() is not None:
         return False
     return not hooks.in_segment()
+
+
+def _verify_batch_size(size: torch.Size) -> None:
+    """``F.batch_norm``'s check in training, with its message: more than one value per channel."""
+    n = size[0]
+    for d in size[2:]:
+        n *= d
+    if n == 1:
+        raise ValueError(f"Expected more than 1 value per channel when training, got input size {size}")
 
 
 def _under_functorch() -> bool:
@@ -197,7 +206,13 @@ class UpdateSafeBatchNorm:
         new_mean = rm.clone()
         new_var = rv.clone()
         weight, bias = self._affine()
-        out = F.batch_norm(input, new_mean, new_var, weight, bias, True, factor, self.eps)
+        # F.batch_norm's own two steps, called directly: its check, then torch.batch_norm (the same
+        # kernel; __torch_function__ overrides are still found, by torch.batch_norm). Its Python
+        # wrapper costs 2.3 us a call where the kernel of a small layer costs 16.
+        _verify_batch_size(input.size())
+        out = torch.batch_norm(
+            input, weight, bias, new_mean, new_var, True, factor, self.eps, torch.backends.cudnn.enabled
+        )
         return new_mean, new_var, out
 
     def _functional_stats(self, input: Tensor, rm: Tensor, rv: Tensor, factor: float) -> tuple[Tensor, Tensor, Tensor]:

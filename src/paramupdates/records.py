@@ -45,7 +45,7 @@ class TargetInfo:
     slots: dict | None = None
     sharded: bool = False  # a DTensor (FSDP2)
     kept: tuple | None = None  # a pu.Parameter: (its class, auxiliary, weight_decay), to keep its type
-    planned: Planned | None = None  # the last unconditional row's schedule item (reused: it holds no tensor)
+    planned: Planned | None = None  # its last row's schedule item, reused while it reads the same (no tensor)
 
     @property
     def owner(self) -> nn.Module | None:

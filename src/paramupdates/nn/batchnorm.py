@@ -68,15 +68,6 @@ def _nothing_records() -> bool:
     return not hooks.in_segment()
 
 
-def _verify_batch_size(size: torch.Size) -> None:
-    """``F.batch_norm``'s check in training, with its message: more than one value per channel."""
-    n = size[0]
-    for d in size[2:]:
-        n *= d
-    if n == 1:
-        raise ValueError(f"Expected more than 1 value per channel when training, got input size {size}")
-
-
 def _under_functorch() -> bool:
     if torch.compiler.is_compiling():
         return False
@@ -206,10 +197,11 @@ class UpdateSafeBatchNorm:
         new_mean = rm.clone()
         new_var = rv.clone()
         weight, bias = self._affine()
-        # F.batch_norm's own two steps, called directly: its check, then torch.batch_norm (the same
-        # kernel; __torch_function__ overrides are still found, by torch.batch_norm). Its Python
-        # wrapper costs 2.3 us a call where the kernel of a small layer costs 16.
-        _verify_batch_size(input.size())
+        # F.batch_norm's own two steps, called directly: its check (torch's own function), then
+        # torch.batch_norm (the same kernel; __torch_function__ overrides are still found, by
+        # torch.batch_norm). Its Python wrapper costs 2.3 us a call where the kernel of a small layer
+        # costs 16.
+        F._verify_batch_size(input.size())
         out = torch.batch_norm(
             input, weight, bias, new_mean, new_var, True, factor, self.eps, torch.backends.cudnn.enabled
         )

@@ -25,7 +25,7 @@ from .errors import AmbiguousOrderError, UpdateError
 from .lookup import EAGER, Lookup
 from .ops import apply_op, check_operand
 from .phases import AUXILIARY, ISSUE_PHASES, RECORD_PHASES
-from .records import Entry, Issued, Planned, Record, Row, TargetInfo
+from .records import Entry, Issued, Record, Row
 from .targets import ModelIndex
 
 _graph_task_id = torch._C._current_graph_task_id
@@ -71,13 +71,13 @@ class Journal:
         self.entries: dict[int, Entry] = {}
         self.aliases: dict[int, Entry] = {}  # id(pending value) -> its entry
         self.aliases_stale = False  # set when a compiled graph installed pending values
-        self.order: list[Issued | Planned] = []  # issue order: what the schedule shows
+        self.order: list[Issued | Row] = []  # issue order: what the schedule shows
         # Rows: auxiliary updates whose values a module computed (pu.nn's statistics), of targets with
-        # nothing else pending, kept as one Row each instead of an entry and a record (record_rows);
-        # made into entries when anything else touches them (absorb).
+        # nothing else pending, kept as one Row per module call instead of an entry and a record per
+        # update (record_rows); made into entries when anything else touches them (absorb).
         self.rows: list[Row] = []
-        self.row_dst: list[torch.Tensor] = []  # per row, the target to write at commit (a plain tensor)
-        self.row_src: list[torch.Tensor] = []  # per row, its pending value
+        self.row_dst: list[torch.Tensor] = []  # per update of a row, the target to write at commit (plain)
+        self.row_src: list[torch.Tensor] = []  # per update of a row, its pending value
         self.row_ids: dict[int, int] = {}  # id(target) and id(pending value) -> index into rows
         self.row_ids_stale = False  # set when a compiled graph added rows
         self.by_phase: dict[str, list[Entry]] = {}  # phase -> the entries with records in it
@@ -109,9 +109,11 @@ class Journal:
         self.aliases_stale = False
 
     def rebuild_row_ids(self) -> None:
-        self.row_ids = {}
+        ids: dict[int, int] = {}
         for i, row in enumerate(self.rows):
-            self.row_ids[id(row.target)] = self.row_ids[id(row.value)] = i
+            for t, v in zip(row.targets, row.values):  # type: ignore[arg-type]
+                ids[id(t)] = ids[id(v)] = i
+        self.row_ids = ids
         self.row_ids_stale = False
 
     def find(self, t: torch.Tensor, create: bool = True, how: Lookup = EAGER) -> Entry | None:
@@ -174,22 +176,31 @@ class Journal:
     def holds(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is the pending value of one of this step's targets, found by identity (what
         dynamo traces without guarding on ``id()`` of a tensor made in a step)."""
-        return any(row.value is t for row in self.rows) or any(e.value is t for e in self.entries.values())
+        return any(v is t for row in self.rows for v in row.values) or any(  # type: ignore[union-attr]
+            e.value is t for e in self.entries.values()
+        )
 
     def absorb(self, how: Lookup = EAGER) -> None:
-        """Make every row an entry with its record (in its place in the issue order)."""
+        """Make every row's updates entries with their records (in the row's place in the issue order)."""
         if not self.rows:
             return
-        rows, self.rows = self.rows, []
+        self.rows = []
         self.row_ids, self.row_dst, self.row_src = {}, [], []
-        for row in rows:
-            e = self.find(row.target, True, how)
-            assert e is not None and e.value is None  # a row's target has nothing else pending
-            rec = Record(row.op, row.operand, None, row.cond, AUXILIARY, None, row.origin)
-            # shown as the row was (after hide(), not at all): the overlay is not touched here
-            self._store(e, rec, row.value, how, row.pos, show=False)
-            if e.slots is not None and e.slots.get(e.attr) is row.value:
-                e.swapped = True
+        order: list[Issued | Row] = []
+        for item in self.order:
+            if not isinstance(item, Row):
+                order.append(item)
+                continue
+            for t, op, operand, value in zip(item.targets, item.ops, item.operands, item.values):  # type: ignore[arg-type]
+                e = self.find(t, True, how)
+                assert e is not None and e.value is None  # a row's target has nothing else pending
+                rec = Record(op, operand, None, item.cond, AUXILIARY, None, item.origin)
+                # shown as the row was (after hide(), not at all): the overlay is not touched here
+                self._store(e, rec, value, how, show=False, placed=True)
+                order.append(Issued(e, rec))
+                if e.slots is not None and e.slots.get(e.attr) is value:
+                    e.swapped = True
+        self.order = order
 
     def _trainable(self, t: torch.Tensor, how: Lookup) -> bool:
         """Whether the optimizer also updates ``t``: it requires grad and, when the step has an
@@ -349,8 +360,8 @@ class Journal:
         return infos
 
     def record_rows(self, updates: list[tuple[torch.Tensor, str, Any, torch.Tensor]], origin: Any, how: Lookup) -> bool:
-        """Record auxiliary updates whose values the caller computed (``pu.nn``'s statistics), one
-        :class:`Row` each: the fast path of :meth:`record_computed`. False (nothing recorded) unless
+        """Record auxiliary updates whose values the caller computed (``pu.nn``'s statistics) as one
+        :class:`Row`: the fast path of :meth:`record_computed`. False (nothing recorded) unless
         every target is a buffer or a non-trainable parameter of the model with nothing pending, and
         no recomputation, checkpointed segment, backward or committed auxiliary phase is in the way."""
         if _local.replay is not None or _local.eager_log is not None or AUXILIARY in self.done_phases:
@@ -362,7 +373,9 @@ class Journal:
             return False
         cond = _local.conditions[-1]
         pred = cond if isinstance(cond, torch.Tensor) else None
-        rows, order, dst, src = self.rows, self.order, self.row_dst, self.row_src
+        targets, ops, operands, values = [], [], [], []
+        dst, src = self.row_dst, self.row_src
+        i = len(self.rows)
         ids = None if how.traced else self.row_ids  # (eager: Lookup.rowed, inlined)
         for (t, op, operand, new), info in zip(updates, infos):
             if new.requires_grad:
@@ -370,36 +383,29 @@ class Journal:
             if pred is not None:
                 new = torch.where(pred, new, t)
             if ids is None:
-                how.rowed(self, t, new, len(rows))
+                how.rowed(self, t, new, i)
             else:
-                ids[id(t)] = ids[id(new)] = len(rows)
-            rows.append(Row(t, info, op, operand, new, pred, origin, len(order)))
+                ids[id(t)] = ids[id(new)] = i
+            targets.append(t)
+            ops.append(op)
+            operands.append(operand)
+            values.append(new)
             dst.append(t if type(t) in _PLAIN else overlay.plain(t))
             src.append(new)
-            order.append(self._planned(info, op, pred is not None, origin, how))  # what the schedule shows
             slots = info.slots
             if slots is not None and slots.get(info.attr) is t:
                 slots[info.attr] = new  # read-your-writes through the module attribute (rule 1)
+        row = Row(targets, infos, ops, operands, values, pred, origin)
+        self.rows.append(row)
+        self.order.append(row)  # what the schedule shows
         self.shown = True
         return True
 
-    @staticmethod
-    def _planned(info: TargetInfo, op: str, conditional: bool, origin: Any, how: Lookup) -> Planned:
-        """What the schedule shows of a row: eagerly the target's last one again where it is the same
-        (a batch norm's statistics: the same three every step; a :class:`Planned` holds no tensor),
-        else a new one (a trace makes a new one: a write to the index would be a side effect)."""
-        if how.traced:  # (not even read: dynamo would guard on what it found)
-            return Planned(info.name, op, conditional, origin)
-        p = info.planned
-        if p is None or p.op != op or p.origin is not origin or p.conditional is not conditional:
-            p = info.planned = Planned(info.name, op, conditional, origin)
-        return p
-
     def _store(
-        self, e: Entry, rec: Record, new: torch.Tensor, how: Lookup, pos: int | None = None, show: bool = True
+        self, e: Entry, rec: Record, new: torch.Tensor, how: Lookup, show: bool = True, placed: bool = False
     ) -> None:
-        """Keep ``rec`` and make ``new`` the pending value (``pos``: its place in the issue order, if
-        it has one already; ``show``: show it to reads, see :meth:`set_value`)."""
+        """Keep ``rec`` and make ``new`` the pending value (``show``: show it to reads, see
+        :meth:`set_value`; ``placed``: the caller puts it in the issue order)."""
         phase, sync = rec.phase, rec.sync
         e.records.append(rec)
         if phase not in e.phases:
@@ -411,10 +417,8 @@ class Journal:
         if sync is not None and e.sync is None:
             e.sync = sync
             self.synced.append(e)
-        if pos is None:
+        if not placed:
             self.order.append(Issued(e, rec))
-        else:
-            self.order[pos] = Issued(e, rec)
         self.set_value(e, new, how, show)
 
     def set_value(self, e: Entry, new: torch.Tensor, how: Lookup = EAGER, show: bool = True) -> None:
@@ -430,7 +434,8 @@ class Journal:
     def pending_names(self) -> list[str]:
         """The qualified names of the targets with pending updates."""
         names = [e.name for e in self.entries.values() if e.value is not None]
-        names.extend(row.name for row in self.rows)
+        for row in self.rows:
+            names.extend(info.name for info in row.infos)
         return names
 
     def pending_name_of(self, t: torch.Tensor) -> str | None:
@@ -442,7 +447,8 @@ class Journal:
         if found is not None:
             return self.pending_name_of(found[0])
         if self.rows and EAGER.in_rows(self, t):
-            return self.rows[self.row_ids[id(t)]].name
+            row = self.rows[self.row_ids[id(t)]]
+            return row.infos[row.index(t)].name
         return None
 
     def stored_of(self, v: torch.Tensor) -> tuple[torch.Tensor, dict | None] | None:
@@ -455,8 +461,9 @@ class Journal:
             return e.target, e.slots
         if self.rows and EAGER.in_rows(self, v):
             row = self.rows[self.row_ids[id(v)]]
-            if row.value is v:
-                return row.target, row.slots
+            k = row.index(v)
+            if row.values[k] is v:  # type: ignore[index]
+                return row.targets[k], row.infos[k].slots
         return None
 
     def current_of(self, e: Entry) -> torch.Tensor:
@@ -483,14 +490,14 @@ class Journal:
             return
         self.shown = False
         for row in self.rows:
-            slots = row.info.slots
-            if slots is not None:
-                attr = row.info.attr
-                cur = slots.get(attr)
-                if cur is row.value:
-                    slots[attr] = row.target
-                elif cur is not row.target:
-                    self._replaced(row.info.name, row.target, cur)
+            for t, value, info in zip(row.targets, row.values, row.infos):  # type: ignore[arg-type]
+                slots = info.slots
+                if slots is not None:
+                    cur = slots.get(info.attr)
+                    if cur is value:
+                        slots[info.attr] = t
+                    elif cur is not t:
+                        self._replaced(info.name, t, cur)
         for e in self.entries.values():
             slots = e.slots
             if slots is not None:  # overlay.hide, inlined: this loop runs over every target, every step
@@ -551,9 +558,10 @@ class Journal:
         """Show the values still pending (those of phases not committed yet) again."""
         if self.rows and AUXILIARY not in self.done_phases:
             for row in self.rows:
-                slots = row.info.slots
-                if slots is not None and slots.get(row.info.attr) is row.target:
-                    slots[row.info.attr] = row.value
+                for t, value, info in zip(row.targets, row.values, row.infos):  # type: ignore[arg-type]
+                    slots = info.slots
+                    if slots is not None and slots.get(info.attr) is t:
+                        slots[info.attr] = value
             self.shown = True
         for e in self.entries.values():
             if e.value is not None and e.phases - self.done_phases:
@@ -570,6 +578,8 @@ class Journal:
         any more (the last step's schedule keeps the journal: it must not keep a copy of the updated
         tensors alive until the next step)."""
         self.state = "closed"
+        for row in self.rows:  # (each row is an item of the issue order, which the schedule keeps)
+            row.values = row.operands = None
         self.rows, self.row_dst, self.row_src = [], [], []
         self.row_ids = {}
         self.aliases = {}

@@ -53,7 +53,7 @@ class Lookup:
         if j.row_ids_stale:
             j.rebuild_row_ids()
         i = j.row_ids.get(id(t))
-        return i is not None and (j.rows[i].target is t or j.rows[i].value is t)
+        return i is not None and j.rows[i].index(t) >= 0
 
     def in_optimizer(self, j: Any, t: torch.Tensor) -> bool:
         """Whether ``t`` is one of the parameters of ``j``'s optimizer."""
@@ -91,7 +91,7 @@ class Traced(Lookup):
         return None
 
     def in_rows(self, j: Any, t: torch.Tensor) -> bool:
-        return any(row.target is t or row.value is t for row in j.rows)
+        return any(row.index(t) >= 0 for row in j.rows)
 
     def in_optimizer(self, j: Any, t: torch.Tensor) -> bool:
         support = hooks.tracing()

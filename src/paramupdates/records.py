@@ -4,10 +4,11 @@
   attribute, how a read sees its pending value);
 * :class:`Record`: one issued update (op, operand, condition, phase, sync, call site);
 * :class:`Entry`: a target with pending updates in one journal (its records, its pending value);
-* :class:`Row`: an auxiliary update whose value a module computed (``pu.nn``'s statistics) of a
-  target with nothing else pending: one object instead of an entry and a record;
-* :class:`Issued` and :class:`Planned`: the items of a journal's issue order, what ``schedule()``
-  shows (an issued update, or a row's plan, which holds no tensor).
+* :class:`Row`: the auxiliary updates of one module call whose values the module computed
+  (``pu.nn``'s statistics: a batch norm's three) of targets with nothing else pending: one object
+  for all of them, instead of an entry and a record each;
+* :class:`Issued`: an issued update in a journal's issue order. The order's items are those and
+  rows: what ``schedule()`` shows.
 
 And the seams between the core's modules, as Protocols (:class:`JournalLike`,
 :class:`OwnerLike`, :class:`RuleLike`, :class:`CommitLike`, :class:`IndexLike`,
@@ -45,7 +46,6 @@ class TargetInfo:
     slots: dict | None = None
     sharded: bool = False  # a DTensor (FSDP2)
     kept: tuple | None = None  # a pu.Parameter: (its class, auxiliary, weight_decay), to keep its type
-    planned: Planned | None = None  # its last row's schedule item, reused while it reads the same (no tensor)
 
     @property
     def owner(self) -> nn.Module | None:
@@ -91,43 +91,36 @@ class Entry:
 
 
 @dataclass(eq=False, slots=True)
-class Planned:
-    """What the schedule shows of a :class:`Row` (no tensor: it outlives the step's values)."""
+class Row:
+    """The auxiliary updates of one module call whose values the module computed (``pu.nn``'s
+    statistics), of targets with nothing else pending: the ``k``-th update writes ``values[k]``
+    into ``targets[k]`` (``infos[k]`` says where it lives), shown by the schedule as ``ops[k]``.
 
-    name: str
-    op: str
-    conditional: bool
+    It is its own item in the journal's issue order. When the step is over (``Journal.close``)
+    it drops its values and operands: the schedule reads names, ops, the condition and the origin.
+    """
+
+    targets: list[torch.Tensor]
+    infos: list[TargetInfo]
+    ops: list[str]
+    operands: list[Any] | None
+    values: list[torch.Tensor] | None  # the pending values
+    cond: torch.Tensor | None
     origin: Any
 
     @property
     def phase(self) -> str:
         return AUXILIARY
 
-
-@dataclass(eq=False, slots=True)
-class Row:
-    """An auxiliary update whose value a module computed, of a target with nothing else pending."""
-
-    target: torch.Tensor
-    info: TargetInfo
-    op: str
-    operand: Any
-    value: torch.Tensor  # the pending value
-    cond: torch.Tensor | None
-    origin: Any
-    pos: int  # its place in the journal's issue order
-
-    @property
-    def name(self) -> str:
-        return self.info.name
-
-    @property
-    def slots(self) -> dict | None:
-        return self.info.slots
-
-    @property
-    def attr(self) -> str:
-        return self.info.attr
+    def index(self, t: torch.Tensor) -> int:
+        """``k`` where ``t`` is ``targets[k]`` or ``values[k]`` (-1 if neither)."""
+        for k, x in enumerate(self.targets):
+            if x is t:
+                return k
+        for k, v in enumerate(self.values or ()):
+            if v is t:
+                return k
+        return -1
 
 
 @dataclass(eq=False, slots=True)

@@ -307,7 +307,7 @@ class Commit:
         unsharded parameters by resizing their storage to 0 bytes, and a write there would be a write
         into freed memory."""
         j = self.journal
-        if any(not sharding.storage_ok(row.target) for row in j.rows):
+        if any(not sharding.storage_ok(t) for row in j.rows for t in row.targets):
             j.absorb()  # name the target below
         for e in j.entries.values():
             if not sharding.storage_ok(e.target):
@@ -326,7 +326,7 @@ class Commit:
         if self.rules and j.rows:
             # a row's target written by a rule before its phase folds like any entry's: make rows entries
             written = {id(t) for r in self.rules if r.phase != AFTER_STEP for t in r.tensors()}
-            if any(id(row.target) in written for row in j.rows):
+            if any(id(t) in written for row in j.rows for t in row.targets):
                 j.absorb()
         if self.rules:
             ctx = self._context()
@@ -498,9 +498,10 @@ class Commit:
                     cond = "-" if r.cond is None else "when(tensor)"
                     sync = f" sync={r.sync}" if r.sync else ""
                     rows.append(ScheduleEntry(phase, item.entry.name, r.op + sync, cond, str(r.origin)))
-                else:  # a row's plan
-                    cond = "when(tensor)" if item.conditional else "-"
-                    rows.append(ScheduleEntry(phase, item.name, item.op, cond, str(item.origin)))
+                else:  # a row: its updates
+                    cond = "-" if item.cond is None else "when(tensor)"
+                    origin = str(item.origin)
+                    rows += [ScheduleEntry(phase, i.name, op, cond, origin) for i, op in zip(item.infos, item.ops)]
         return rows
 
     # ------------------------------------------------------------------

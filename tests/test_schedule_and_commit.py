@@ -89,8 +89,8 @@ def test_off_cpu_pairs_are_copied_per_device_and_dtype(monkeypatch):
 
 
 def test_a_batch_norms_rows_show_their_condition_step_by_step():
-    """The schedule item of a row is reused from one step to the next (it holds no tensor); one
-    made under a condition is never taken for the plain one, nor the other way round."""
+    """A batch norm call's statistics (one row) show the condition they were recorded under, step
+    by step: a row under a condition is never shown as plain, nor the other way round."""
     torch.manual_seed(0)
     model = pu.convert(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)))
     x = torch.randn(5, 3)
@@ -111,3 +111,33 @@ def test_a_batch_norms_rows_show_their_condition_step_by_step():
     assert seen[0] == seen[2] == seen[4] == plain
     assert seen[1] == seen[5] == [(n, op, "when(tensor)", o) for n, op, _c, o in plain]
     assert [(n, c) for n, _op, c, _o in seen[3]] == [(n, "-") for _ in range(2) for n in names]
+
+
+def test_a_rows_updates_keep_their_place_in_the_issue_order_when_it_becomes_entries():
+    """A batch norm call's three statistics are one row; a later update of one of them turns the
+    row into entries in the row's own place: the schedule lists every update in issue order, and
+    the later update composes after the statistics (rule 4: issue order within a phase)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), pu.nn.BatchNorm1d(4))
+    model.register_buffer("a", torch.zeros(2))
+    model.register_buffer("b", torch.zeros(2))
+    ref = nn.BatchNorm1d(4)
+    x = torch.randn(5, 3)
+    with pu.step(model) as s:
+        pu.assign(model.a, torch.ones(2))
+        model(x)
+        pu.assign(model.b, torch.ones(2))
+        pu.assign_add(model[1].running_mean, torch.ones(4))  # the row becomes entries here
+    ref(model[0](x))
+    aux = [(e.target, e.op) for e in s.schedule() if e.phase == "auxiliary"]
+    assert aux == [
+        ("a", "assign"),
+        ("1.num_batches_tracked", "assign_add"),
+        ("1.running_mean", "assign"),
+        ("1.running_var", "assign"),
+        ("b", "assign"),
+        ("1.running_mean", "assign_add"),
+    ]
+    assert torch.equal(model[1].running_mean, ref.running_mean + 1)
+    assert torch.equal(model[1].running_var, ref.running_var) and int(model[1].num_batches_tracked) == 1
+    assert torch.equal(model.a, torch.ones(2)) and torch.equal(model.b, torch.ones(2))

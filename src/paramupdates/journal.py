@@ -579,7 +579,7 @@ class Journal:
         tensors alive until the next step)."""
         self.state = "closed"
         for row in self.rows:  # (each row is an item of the issue order, which the schedule keeps)
-            row.values = row.operands = None
+            row.targets = row.values = row.operands = None
         self.rows, self.row_dst, self.row_src = [], [], []
         self.row_ids = {}
         self.aliases = {}

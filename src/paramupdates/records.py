@@ -97,10 +97,11 @@ class Row:
     into ``targets[k]`` (``infos[k]`` says where it lives), shown by the schedule as ``ops[k]``.
 
     It is its own item in the journal's issue order. When the step is over (``Journal.close``)
-    it drops its values and operands: the schedule reads names, ops, the condition and the origin.
+    it drops its tensors but the condition, as a :class:`Record` does: the schedule reads the
+    infos' names, the ops, the condition and the origin.
     """
 
-    targets: list[torch.Tensor]
+    targets: list[torch.Tensor] | None
     infos: list[TargetInfo]
     ops: list[str]
     operands: list[Any] | None
@@ -114,7 +115,7 @@ class Row:
 
     def index(self, t: torch.Tensor) -> int:
         """``k`` where ``t`` is ``targets[k]`` or ``values[k]`` (-1 if neither)."""
-        for k, x in enumerate(self.targets):
+        for k, x in enumerate(self.targets or ()):
             if x is t:
                 return k
         for k, v in enumerate(self.values or ()):

@@ -138,6 +138,8 @@ def test_a_rows_updates_keep_their_place_in_the_issue_order_when_it_becomes_entr
         ("b", "assign"),
         ("1.running_mean", "assign_add"),
     ]
-    assert torch.equal(model[1].running_mean, ref.running_mean + torch.ones(4))  # assign_add's own formula: old + operand
+    assert torch.equal(
+        model[1].running_mean, ref.running_mean + torch.ones(4)
+    )  # assign_add's own formula: old + operand
     assert torch.equal(model[1].running_var, ref.running_var) and int(model[1].num_batches_tracked) == 1
     assert torch.equal(model.a, torch.ones(2)) and torch.equal(model.b, torch.ones(2))

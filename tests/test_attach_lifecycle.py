@@ -219,3 +219,45 @@ def test_a_step_over_an_attached_model_with_pending_updates_is_refused(opener):
         plain.load_state_dict(m.state_dict())
         torch.optim.swa_utils.update_bn(loader, plain)
         assert_same(snapshot(plain), snapshot(m))
+
+
+def test_an_attachment_whose_model_was_collected_lets_the_optimizer_step_alone():
+    """The optimizer outlives the model (its parameters held elsewhere): the attachment's hooks stand
+    aside and the step is plain SGD. They learn that the model is gone from a flag set when it is
+    collected (``refs.WatchedRef.gone``), not by reading the model: a compiled ``optimizer.step``
+    would wrap a module it reads (see tests/test_compile.py)."""
+    import gc
+    import weakref
+
+    m = BNNet()
+    params = list(m.parameters())
+    opt = torch.optim.SGD(params, lr=0.1)
+    att = pu.attach(m, opt)
+    pu.weight_decay(m, 0.5)
+    ref = weakref.ref(m)
+    del m
+    gc.collect()
+    assert ref() is None and att.model is None and att._model_ref.gone
+    for p in params:
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for p in params]
+    opt.step()
+    for p, b in zip(params, before):
+        assert torch.equal(p.detach(), b - 0.1)  # SGD's own update: no decay, no commit
+
+
+def test_a_watched_reference_is_a_weak_reference_with_a_flag():
+    import gc
+
+    from paramupdates.refs import WatchedRef
+
+    class Obj:
+        pass
+
+    seen = []
+    obj = Obj()
+    ref = WatchedRef(obj, seen.append)
+    assert ref() is obj and not ref.gone and not seen
+    del obj
+    gc.collect()
+    assert ref() is None and ref.gone and len(seen) == 1  # the callback got the weak reference

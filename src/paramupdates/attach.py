@@ -167,7 +167,7 @@ class Attachment(Owner):
         self._nested = 0
 
     def _pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
-        if routing.committing_optimizer(optimizer) or self.model is None:
+        if routing.committing_optimizer(optimizer) or self._model_ref.gone:
             return None
         if self.commit is not None and not self._hooks_running and self._inside_own_step():
             # A nested step: an optimizer subclass calling super().step(), whose
@@ -203,7 +203,7 @@ class Attachment(Owner):
         return None
 
     def _post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if routing.committing_optimizer(optimizer) or self.model is None:
+        if routing.committing_optimizer(optimizer) or self._model_ref.gone:
             return
         if self._nested:
             self._nested -= 1

@@ -16,6 +16,7 @@ from .errors import UpdateError
 from .journal import Journal
 from .options import StepOptions
 from .origin import call_site
+from .refs import WatchedRef
 from .rules.base import RuleSet, rules_for
 from .schedule import Schedule
 from .targets import ModelIndex, index_of
@@ -48,7 +49,7 @@ class Owner:
         # ``weak`` (an attachment): model and optimizer are held weakly, so that a forgotten attachment
         # keeps neither alive (docs/design.md, "Attachments hold their model weakly")
         forget = self._forget if weak else None
-        self._model_ref = weakref.ref(model, forget)
+        self._model_ref = WatchedRef(model, forget)  # (``.gone``: see refs.WatchedRef)
         self._optimizer_ref = weakref.ref(optimizer, forget) if optimizer is not None else None
         self._strong = None if weak else (model, optimizer)
         self.options = options

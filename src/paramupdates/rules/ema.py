@@ -92,6 +92,7 @@ from .. import hooks, routing, sharding, state
 from ..errors import UpdateError
 from ..origin import call_site
 from ..phases import AFTER_STEP
+from ..refs import WatchedRef
 from ..schedule import ScheduleEntry
 from .base import Rule, register
 from .common import (
@@ -226,7 +227,7 @@ class EMA(Rule):
         device: torch.device | None = None,
     ) -> None:
         super().__init__(origin)
-        self._model = weakref.ref(model)
+        self._model = WatchedRef(model)
         self.module = module
         self.decay = decay
         self.warmup = _PRESETS[warmup] if isinstance(warmup, str) else warmup
@@ -330,7 +331,7 @@ class EMA(Rule):
 
     # --- ownership -------------------------------------------------------
     def alive(self) -> bool:
-        return self._model() is not None
+        return not self._model.gone  # (not the model itself: see refs.WatchedRef)
 
     def owner_tensors(self) -> list[torch.Tensor]:
         self.refresh()

@@ -8,6 +8,7 @@ autograd's functionalization), inductor once. Deselect with ``-m "not compile"``
 """
 
 import contextlib
+import gc
 
 import pytest
 import torch
@@ -119,6 +120,7 @@ def _check_same(eager, compiled):
 @pytest.mark.parametrize("mode", ["step", "attach"])
 def test_fullgraph_forward_matches_eager(mode):
     """fullgraph=True (no graph break), one compilation for 6 steps, bitwise equal to eager."""
+    gc.collect()  # no parametrization output of an earlier test left in a reference cycle (see below)
     batches = _batches(6)
     m1, o1 = _make()
     eager = (m1, o1, _train(mode, m1, o1, m1, batches))
@@ -215,6 +217,31 @@ def test_batch_norm_schedule_equals_eager_origins_included(sync_stats):
     assert plans[0] == plans[1]
     origins = {r.origin for r in plans[1] if r.phase == "auxiliary"}
     assert len(origins) == 1 and next(iter(origins)).split(":")[0].endswith("paramupdates/nn/batchnorm.py")
+
+
+def test_a_parametrized_tensor_alive_elsewhere_breaks_the_graph_but_not_the_result():
+    """A known limit (docs/compile.md): while a parametrization's output of a model pu indexed is alive
+    anywhere in the process (autograd keeps one until backward; a reference cycle until the garbage
+    collector runs), a traced update looks its target up among those outputs, in a weakly keyed
+    dictionary that dynamo does not trace: ``fullgraph=True`` raises, and without it the graph breaks
+    there and the result is still eager's, bitwise."""
+    from paramupdates import state
+
+    other = nn.utils.parametrizations.weight_norm(nn.Linear(3, 3))
+    pu.weight_decay(other, 0.1)  # (pu indexes it: its parametrization's outputs are recorded)
+    held = other.weight  # a parametrization output, alive
+    assert held in state.process.parametrized
+    batches = _batches(3)
+    m1, o1 = _make()
+    eager = (m1, o1, _train("step", m1, o1, m1, batches))
+    m2, o2 = _make()
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="WeakIdRef"):
+        _train("step", m2, o2, torch.compile(m2, fullgraph=True, backend="eager"), batches)
+    torch._dynamo.reset()
+    m3, o3 = _make()
+    _check_same(eager, (m3, o3, _train("step", m3, o3, torch.compile(m3, backend="eager"), batches)))
+    del held
+    gc.collect()  # (none alive: the next tests trace with no break)
 
 
 def test_explain_reports_no_graph_break():
@@ -539,6 +566,12 @@ def test_compiled_optimizer_step_compiles_the_commit_with_it(make_opt, backend):
         for (n, a), (_, b) in zip(eager, compiled):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=n)
     assert opt.param_groups[0]["weight_decay"] == 0  # the optimizer's own setting, restored
+    # The traced hooks never read the model module itself: dynamo wraps a module it reads and marks
+    # its parameters as *unguarded* static inputs, undoing the compiled optimizer's own marking
+    # (*guarded*, torch/_dynamo/variables/optimizer.py), so that every frame of the commit would guard
+    # each parameter in full (TENSOR_MATCH) where an identity check (ID_MATCH) does.
+    marks = {getattr(p, "_dynamo_static_input_type", None) for p in model.parameters()}
+    assert marks == {"guarded"}, marks
     explained = torch._dynamo.explain(opt.step)()  # a step of the live model, with its rules
     assert att.model is model and att.steps == 7, "explain's step is a commit of the model's rules"
     # three graphs: before, between and after torch.optim's two graph_break()s (the pre-hook's phases,

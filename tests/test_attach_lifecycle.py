@@ -243,7 +243,8 @@ def test_an_attachment_whose_model_was_collected_lets_the_optimizer_step_alone()
     before = [p.detach().clone() for p in params]
     opt.step()
     for p, b in zip(params, before):
-        assert torch.equal(p.detach(), b - 0.1)  # SGD's own update: no decay, no commit
+        # SGD's own formula (p.add_(grad, alpha=-lr)): no decay, no commit
+        assert torch.equal(p.detach(), b.add(torch.ones_like(b), alpha=-0.1))
 
 
 def test_a_watched_reference_is_a_weak_reference_with_a_flag():

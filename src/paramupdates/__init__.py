@@ -13,7 +13,7 @@ from . import (
 )
 from .attach import Attachment, attach
 from .conditions import when
-from .errors import AmbiguousOrderError, UpdateError
+from .errors import AccountingWarning, AmbiguousOrderError, UpdateError
 from .integrations.checkpoint import checkpoint
 from .nn import convert, recompute_batchnorm_stats
 from .parameter import Parameter
@@ -30,6 +30,7 @@ _INSTALLED = (guards.install(), *integrations.install())
 registration, the integrations' hooks); each has ``.remove()``."""
 
 __all__ = [
+    "AccountingWarning",
     "AmbiguousOrderError",
     "Attachment",
     "Parameter",

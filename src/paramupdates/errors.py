@@ -33,3 +33,16 @@ class AmbiguousOrderError(UpdateError):
     updates would be a race. Pass ``phase="before_grad"`` or
     ``phase="after_grad"`` to say which comes first.
     """
+
+
+class AccountingWarning(UserWarning):
+    """Something declared or issued may not be applied as the user believes (rule 12, "accounted for").
+
+    Warned, once per cause, where paramupdates cannot prove a mistake but sees a declared rule or an
+    issued update left without a step that applies it: a declared rule over tensors that an
+    ``optimizer.step()`` updated with no ``pu.step`` / ``pu.attach`` of their model around it, a plain
+    ``torch.nn`` batch norm recomputed by activation checkpointing, updates still pending when their
+    attachment is collected. The message names the rule or update, where it was declared or issued,
+    and the fix. The project's own tests turn it into an error (``pyproject.toml``): where nothing is
+    wrong, nothing is warned.
+    """

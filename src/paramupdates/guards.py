@@ -41,6 +41,7 @@ from .origin import call_site
 from .routing import stored_of
 
 _pending = state.process.pu_pending
+_watched = state.process.watched
 
 
 # --- state_dict --------------------------------------------------------------------------------------
@@ -111,20 +112,39 @@ def _refuse_assignment(module: nn.Module, name: str, table: dict, kind: str) -> 
         )
 
 
+def _changed(module: nn.Module) -> None:
+    """A parameter, buffer or submodule of ``module`` is being set: if ``module`` belongs to an indexed
+    model, that model's index and the rules that follow its tensors by name look again at its next
+    commit (accounted for, rule 12)."""
+    if module in _watched:
+        state.process.structure += 1
+
+
 def on_buffer_registration(module: nn.Module, name: str, buffer: Any) -> None:
     """Global buffer registration hook: a buffer with pending updates is not replaced."""
     _refuse_assignment(module, name, module._buffers, "buffer")
+    _changed(module)
 
 
 def on_parameter_registration(module: nn.Module, name: str, param: Any) -> Any:
     """Global parameter registration hook: a parameter with pending updates is not replaced; a
     ``pu.Parameter`` that ``load_state_dict(assign=True)`` replaces stays a ``pu.Parameter``."""
     _refuse_assignment(module, name, module._parameters, "parameter")
+    _changed(module)
     old = module._parameters.get(name)
     rebuild = getattr(type(old), "pu_rebuild", None)
-    if rebuild is not None and param is not None and type(param) is nn.Parameter and _loading():
-        return rebuild(old, param)
+    if rebuild is not None and param is not None and type(param) is nn.Parameter:
+        if _loading():
+            return rebuild(old, param)
+        state.process.assigned_plain.add(param)  # the user's choice: the index keeps it a plain nn.Parameter
     return None
+
+
+def assigned_plain(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a plain ``nn.Parameter`` the user assigned in a ``pu.Parameter``'s place (through
+    ``module.x = ...`` / ``register_parameter``), as opposed to one torch re-created there (``to_empty()``,
+    ``model.to()`` with overwrite-on-conversion write the slot with no hook)."""
+    return t in state.process.assigned_plain
 
 
 def _loading() -> bool:
@@ -140,6 +160,21 @@ def _loading() -> bool:
 
 
 _LOAD_CODE = nn.Module._load_from_state_dict.__code__
+
+
+def on_module_registration(parent: nn.Module, name: str, module: Any) -> None:
+    """Global module registration hook: ``parent.<name> = module`` (``model[2] = nn.Linear(...)``, a
+    wrapper put in a layer's place). The rules that follow their tensors by name in the module it
+    replaces follow them in ``parent`` under ``name`` from now on, so that they cover what the model
+    holds there whether or not anything still holds the old module; and the model's index looks again
+    (accounted for, rule 12)."""
+    old = parent._modules.get(name)
+    if old is not None and old is not module:
+        followers = state.process.rule_roots.get(old)
+        if followers:
+            for rule in list(followers):
+                rule.rebase(old, parent, name)
+    _changed(parent)
 
 
 # --- pu.Parameters re-created by to_empty() -----------------------------------------------------------
@@ -194,6 +229,7 @@ class _Installed:
         self.module_hooks = (
             nn.modules.module.register_module_buffer_registration_hook(on_buffer_registration),
             nn.modules.module.register_module_parameter_registration_hook(on_parameter_registration),
+            nn.modules.module.register_module_module_registration_hook(on_module_registration),
         )
 
     def remove(self) -> None:

@@ -121,12 +121,12 @@ class Owner:
         if j is None:
             return Schedule()
         c = Commit(j, self.optimizer, self.options, None, self._closed)
-        c.rules = rules_for(self.index)
+        c.rules = rules_for(self.index, self.optimizer)
         return c.schedule()
 
     def state_dict(self) -> dict[str, Any]:
         """Counters and the state of every rule that applies to the model (EMA copies, counters)."""
-        rules = rules_for(self.index)
+        rules = rules_for(self.index, self.optimizer)
         return {
             "steps": self.steps,
             "skipped_steps": self.skipped_steps,
@@ -135,7 +135,7 @@ class Owner:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved; the model's rules must be declared the same way."""
-        rules = rules_for(self.index)
+        rules = rules_for(self.index, self.optimizer)
         saved = state.get("rules", {})
         keys = [f"{i}:{r.kind}" for i, r in enumerate(rules)]
         if sorted(saved) != sorted(keys):

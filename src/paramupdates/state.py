@@ -23,6 +23,7 @@ registry (``nn.convert``) are the only other module-level state.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import threading
 import types
@@ -88,11 +89,34 @@ class Process:
         rules is current while it has the same version (a counter: it never repeats)."""
         self.rule_seq = itertools.count()
         """Declaration order of rules (commit order within a phase)."""
+        self.rules_dead = False
+        """Set (by a weak reference's callback) when what a rule belongs to was collected: the registry
+        drops its dead rules at the next declaration or commit (``rules.base.purge``), so a model that
+        declared rules and is dropped without ever being stepped is collected with its EMA copy."""
+        self.graveyard: collections.deque[Any] = collections.deque(maxlen=64)
+        """The last rules on bare tensors dropped because every tensor was collected: the sharding
+        support looks whether ``fully_shard`` replaced them (bounded: no tensor is held)."""
+        self.unbound = 0
+        """How many declared rules follow no module (bare tensors no indexed model holds), as of the
+        last time an index took its rules: a commit looks for those its optimizer steps only if any."""
+        self.rule_roots: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+        """A module a rule follows its tensors in -> the rules (a ``weakref.WeakSet``): when the module is
+        replaced in its parent, they follow the new one by name (``guards.on_module_registration``)."""
+        self.structure = 0
+        """Bumped whenever a module of an indexed model gets a parameter, buffer or submodule through
+        torch's registration paths (assignment, ``register_*``, ``add_module``, ``load_state_dict(assign=True)``,
+        item assignment in ``Sequential`` / ``ModuleList`` / ``ModuleDict``): each index compares it at its
+        model's next commit and rebuilds (``targets.ModelIndex.refresh``)."""
+        self.watched: weakref.WeakSet[Any] = weakref.WeakSet()
+        """The modules of indexed models (what :attr:`structure` watches)."""
         self.ema_copies: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         """An averaged copy returned by ``pu.ema`` -> a weak reference to its rule."""
         self.guarded: weakref.WeakSet[Any] = weakref.WeakSet()
         """Modules whose ``state_dict`` / ``load_state_dict`` are hooked (``guards.guard_module``)."""
         self.materialized: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.assigned_plain: weakref.WeakSet[Any] = weakref.WeakSet()
+        """Plain ``nn.Parameter`` objects the user assigned in a ``pu.Parameter``'s place (``guards``): the
+        index keeps them plain, where it makes one that torch re-created a ``pu.Parameter`` again."""
         """A storage made by ``torch.empty_like`` of a ``pu.Parameter`` (``to_empty()``) -> what to
         make its parameter again: ``(class, auxiliary, weight_decay)``."""
         self.parametrized: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -110,6 +134,10 @@ class Process:
         self.rules.clear()
         self.rules_version += 1
         self.ema_copies = weakref.WeakKeyDictionary()
+        self.rule_roots = weakref.WeakKeyDictionary()
+        self.graveyard.clear()
+        self.unbound = 0
+        self.rules_dead = False
         self.materialized = WeakIdKeyDictionary()
         for index in list(self.indexes.values()):
             index.forget_rules()

@@ -8,6 +8,7 @@ module was added, a buffer was replaced).
 
 from __future__ import annotations
 
+import operator
 import sys
 import weakref
 from collections.abc import Callable
@@ -36,6 +37,9 @@ class ModelIndex:
         """The rules that apply to the model, in declaration order (as of :attr:`rules_key`)."""
         self.rules_key: tuple[int, int] | None = None
         """``(state.process.rules_version, generation)`` when :attr:`rules` was made."""
+        self.unbound: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+        """optimizer -> ``(key, rules)``: the rules on bare tensors no model holds that it steps
+        (``rules.base.rules_for``)."""
         self._caches: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         self._caches_alone: Any = None
         self.sharded_layout: tuple[int, bool, Any] | None = None
@@ -45,6 +49,8 @@ class ModelIndex:
         # ``reparametrized``: index what the slots hold inside ``torch.func.functional_call`` (the
         # tensors passed in; ``pu.func``'s own index). A model's index keeps its stored tensors then.
         self.reparametrized = reparametrized
+        self._containers: list[weakref.ref] = []
+        self._shape_key: tuple[int, tuple[int, ...] | None] | None = None
         self.build()
 
     @property
@@ -67,16 +73,22 @@ class ModelIndex:
             return
         by_id: dict[int, TargetInfo] = {}
         modules: dict[int, tuple[weakref.ref, str]] = {}
+        containers: list[weakref.ref] = []
         journals = routing.live_journals(routing.PROCESS)
         has_meta = False
+        struct = state.process.structure
         if model is not None:
             visitors = list(hooks.module_visitors.values())
+            watched = state.process.watched
             for mod_name, mod in model.named_modules(remove_duplicate=True):
                 for visit in visitors:
                     visit(mod, mod_name)  # e.g. transformed parameters (rule 10): recognise a parametrization's outputs
                 prefix = f"{mod_name}." if mod_name else ""
                 mref = weakref.ref(mod)
                 modules[id(mod)] = (mref, mod_name)
+                watched.add(mod)
+                if mod._modules:
+                    containers.append(mref)
                 if mod._buffers or mod._parameters:
                     guards.guard_module(mod)  # state_dict() saves stored values inside a step
                 for kind, table in (("parameter", mod._parameters), ("buffer", mod._buffers)):
@@ -105,6 +117,19 @@ class ModelIndex:
         self.by_id = by_id
         self.modules = modules
         self.has_meta = has_meta  # some tensor is on the meta device (no values: nothing to step)
+        self._containers = containers
+        self._shape_key = (struct, _sizes(containers))
+
+    def refresh(self) -> None:
+        """Rebuild if the model's structure may have changed since the last build: a module of an indexed
+        model got a parameter, buffer or submodule through torch's registration paths (``state.process.structure``),
+        or a container's number of submodules changed (``Sequential.insert``, ``ModuleList.pop``, ``del
+        model[2]``: torch writes those dicts with no hook). A few integer compares when nothing changed;
+        a commit calls it before it takes the model's rules (accounted for, rule 12)."""
+        if torch.compiler.is_compiling():
+            return  # a traced commit keeps the index as last built (see build; docs/compile.md)
+        if self._shape_key != (state.process.structure, _sizes(self._containers)):
+            self.build()
 
     def forget_rules(self) -> None:
         """Make :attr:`rules` be recomputed at the next commit."""
@@ -177,6 +202,17 @@ class ModelIndex:
         return info if info is not None and info.ref() is t else None
 
 
+_modules_of = operator.attrgetter("_modules")
+
+
+def _sizes(containers: list[weakref.ref]) -> tuple[int, ...] | None:
+    """How many submodules each container module has now (``None``: one was collected)."""
+    try:
+        return tuple(map(len, map(_modules_of, map(operator.call, containers))))
+    except AttributeError:
+        return None
+
+
 _FUNCTIONAL_CALL = torch.nn.utils.stateless._functional_call.__code__
 
 
@@ -207,11 +243,12 @@ def _keep_type(t: nn.Parameter, name: str, before: dict[int, TargetInfo]) -> Non
     indexed, or made by ``to_empty()`` from one): torch re-creates parameters as ``nn.Parameter``
     (``to_empty()`` of a meta model, ``model.to()`` with overwrite-on-conversion). It becomes a
     ``pu.Parameter`` again, with the same attributes (the class changes in place, as
-    ``torch.utils.swap_tensors`` does)."""
+    ``torch.utils.swap_tensors`` does). Not one the user assigned there (``module.x = nn.Parameter(...)``:
+    ``guards.assigned_plain``), whatever became of the old one."""
     kept = guards.materialized(t)
-    if kept is None:
+    if kept is None and not guards.assigned_plain(t):
         for info in before.values():
-            if info.kept is not None and info.name == name and info.ref() is None:
+            if info.kept is not None and info.name == name and info.ref() is not t:
                 kept = info.kept
                 break
     if kept is not None:

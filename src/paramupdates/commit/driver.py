@@ -176,7 +176,7 @@ class Commit:
     def _take_rules(self) -> None:
         """The rules of this commit (the model's; without an optimizer, only those that run in every
         committed step) and what rollback keeps of them."""
-        rules = rules_for(self.journal.index)
+        rules = rules_for(self.journal.index, self.optimizer)
         if self.optimizer is None:
             # rules that belong to the gradient update run once per real optimizer update (read-your-writes, rule 1)
             rules = [r for r in rules if not r.per_optimizer_update]

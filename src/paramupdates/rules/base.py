@@ -123,6 +123,7 @@ class Rule:
     kind: str = "rule"
     infallible: bool = False
     per_optimizer_update: bool = False
+    removed: bool = False  # set by remove(): no step applies it, and nothing is raised about it
 
     def __init__(self, origin: Any = None) -> None:
         if origin is None:
@@ -168,6 +169,15 @@ class Rule:
     def root(self) -> Any:
         """The module whose tensors the rule follows by name (``None``: none)."""
         return None
+
+    def rebase(self, old: Any, parent: Any, name: str) -> None:
+        """The module the rule follows its tensors in (``old``) is being replaced in ``parent`` under
+        ``name``: follow them under the module that takes its place. Default: nothing (held by identity)."""
+
+    def held_tensors_only(self) -> bool:
+        """Whether the rule holds bare tensors only (no module to follow them in): once they are all
+        collected, the sharding support looks whether ``fully_shard`` replaced them (``rules_for``)."""
+        return False
 
     # --- declared again (a re-run notebook cell) ------------------------------
     def same_kind(self) -> Any:
@@ -262,6 +272,7 @@ def register(rule: Rule) -> Rule:
     loses them to this one, with a warning naming both call sites: declaring again (a re-run
     notebook cell) replaces, it never applies a rule twice. The same rule again (same kind, same
     tensors, equal :meth:`Rule.settings`) takes the earlier one's place in the order, quietly."""
+    purge()
     registry = state.process.rules
     key = rule.same_kind()
     if key is not None:
@@ -307,10 +318,27 @@ def _user_stacklevel() -> int:
 
 
 def unregister(rule: Rule) -> None:
-    """Remove a rule from the registry (no-op if it is not there)."""
+    """Remove a rule from the registry (no-op if it is not there): ``rule.remove()``."""
+    rule.removed = True
     registry = state.process.rules
     if rule in registry:
         registry.remove(rule)
+    state.bump_rules()  # (also for a rule purged already: the indexes that keep it make their lists again)
+
+
+def purge() -> None:
+    """Drop the rules whose module or tensors were collected (flagged by a weak reference's callback:
+    ``state.process.rules_dead``). A model that declared rules and is dropped without ever being stepped
+    is collected with its EMA copy; a rule that applied to a model that lives on is still raised about
+    at that model's next commit (:func:`rules_for` keeps it on the model's index)."""
+    p = state.process
+    if not p.rules_dead:
+        return
+    p.rules_dead = False
+    dead = [r for r in p.rules if not r.alive()]
+    if dead:
+        p.rules[:] = [r for r in p.rules if r.alive()]
+        p.graveyard.extend(r for r in dead if r.held_tensors_only())
         state.bump_rules()
 
 
@@ -329,59 +357,120 @@ def _seq(rule: Rule) -> int:
     return rule.seq
 
 
-def rules_for(index: ModelIndex) -> list[Rule]:
-    """The live rules that apply to ``index``'s model (it owns some of their tensors), in declaration
-    order: kept on the index, made again when a rule is declared or removed or the model's tensors
-    change (``index.rules_key``).
+def rules_for(index: ModelIndex, optimizer: Any = None) -> list[Rule]:
+    """The live rules that apply to a commit of ``index``'s model (with ``optimizer``), in declaration order.
 
-    A rule that applied to the model and died since (what it was declared on was replaced or
-    removed), or that can no longer follow a tensor by name, makes this commit raise. Only the rules
-    that may apply to this model follow their tensors anew (:meth:`Rule.resync`), and they read the
-    stored tensors behind any pending values the module slots show: another model's step in progress
-    changes nothing of this model's rules."""
+    A rule applies to the model when the module it follows its tensors in is the model or inside it, or
+    the model holds some of its tensors (a rule declared on a whole model, stepped through a submodule);
+    a rule on bare tensors that no model holds applies to the commits of every optimizer that steps them
+    (CLIP's ``logit_scale``, a learnable loss weight). The model's rules are kept on its index, made
+    again when a rule is declared or removed or the model's structure changed (``index.refresh``); then
+    every rule that applies reads its named slots again (:meth:`Rule.resync`): it covers the tensors the
+    model holds now under its names, whether or not anything still holds the ones they replaced.
+
+    A rule that applies and lost a name (a layer removed or renamed, a wrapper put in its place), or whose
+    module was removed from the model, makes every commit raise until it is declared again or removed
+    (accounted for, rule 12). Only the rules that may apply to this model follow their tensors anew, and
+    they read the stored tensors behind any pending values the module slots show."""
+    index.refresh()
+    purge()
+    _refuse_dead(index)
+    if index.rules_key != (state.process.rules_version, index.generation):
+        _take_rules(index)
+    _refuse_lost(index)
+    extra = _unbound_rules(index, optimizer) if state.process.unbound else ()
+    if not extra:
+        return index.rules
+    return sorted([*index.rules, *extra], key=_seq)
+
+
+def _take_rules(index: ModelIndex) -> None:
+    """Make ``index.rules``: the registered rules that apply to its model, following their names anew."""
+    support = hooks.sharding_support()  # sharding hook: rules whose parameters fully_shard replaced
+    graveyard = state.process.graveyard
+    if support is not None and graveyard:
+        support.lost_rules(index, list(graveyard))
     model = index.model
+    held = _tensor_ids(model)
+    out = []
+    unbound = 0
+    for r in state.process.rules:
+        root = r.root()
+        if root is None:
+            unbound += 1
+        inside = root is not None and index.module_name(root) is not None
+        if not inside and not any(id(t) in held for t in r.owner_tensors()):
+            continue  # another model's rule, or bare tensors this model does not hold
+        r.resync()
+        r.adopt(index)
+        out.append(r)
+    state.process.unbound = unbound
+    index.rules = sorted(out, key=_seq)
+    index.rules_key = (state.process.rules_version, index.generation)
+
+
+def _tensor_ids(model: Any) -> set[int]:
+    """``id()`` of every parameter and buffer ``model`` holds now (stored tensors, not pending values)."""
+    if model is None:
+        return set()
+    from .common import stored_named  # (common imports the registry's callers: no cycle at import)
+
+    return {id(t) for kind in ("parameters", "buffers") for _, t in stored_named(model, kind)}
+
+
+def _refuse_dead(index: ModelIndex) -> None:
+    """Raise if a rule that applied to the model at its last commit died since (the module it was
+    declared on was removed from the model and collected), until it is removed."""
+    model = index.model
+    if model is None:
+        return
     for r in index.rules:
-        if not r.alive() and r in state.process.rules and model is not None:
+        if not r.alive() and not r.removed:
             raise UpdateError(
                 f"{r.describe()} declared at {r.origin} applied to {type(model).__name__}, whose tensors it "
-                "covered are gone from the model (the module it was declared on was replaced or removed). Nothing "
-                "of this step was written. Declare the rule again on the model as it is now, or call .remove() "
-                "on it."
+                "covered are gone from the model (the module it was declared on was removed and collected). "
+                "Nothing of this step was written. Declare the rule again on the model as it is now, or call "
+                ".remove() on it."
             )
-    registry = state.process.rules
-    for r in registry:
+
+
+def _refuse_lost(index: ModelIndex) -> None:
+    """Raise if a rule that applies to the model can no longer follow its tensors by name (checked every
+    commit: a flag and a list per rule when nothing changed)."""
+    model = index.model
+    if model is None:
+        return
+    for r in index.rules:
         lost = r.lost_names()
-        if lost and index.module_name(r.root()) is not None:
+        if lost and not r.removed:
             shown = listed(list(map(repr, lost)), 4)
             raise UpdateError(
                 f"{r.describe()} declared at {r.origin} covers {shown}, which {type(model).__name__} "
-                "no longer has under that name (a layer removed or renamed after the declaration). Nothing of "
-                "this step was written. Declare the rule again on the model as it is now, or call .remove() "
-                "on it."
+                "no longer has under that name (a layer removed or renamed after the declaration, a wrapper "
+                "put in its place, a parametrization registered on it). Nothing of this step was written. "
+                "Declare the rule again on the model as it is now (the same call), or call .remove() on it."
             )
-    key = (state.process.rules_version, index.generation)
-    if index.rules_key == key:
-        return index.rules
-    dead = [r for r in registry if not r.alive()]
-    if dead:
-        support = hooks.sharding_support()  # sharding hook: rules whose parameters fully_shard replaced
-        if support is not None:
-            support.lost_rules(index, dead)
-        for r in dead:
-            registry.remove(r)
-        state.bump_rules()
-    out = []
-    for r in registry:
-        root = r.root()
-        if root is not None and index.module_name(root) is None and not index.owns_any(r.owner_tensors()):
-            continue  # declared on a module elsewhere: not this model's to follow
-        r.resync()
-        if index.owns_any(r.owner_tensors()):
-            r.adopt(index)
-            out.append(r)
-    index.rules = sorted(out, key=_seq)
-    index.rules_key = (state.process.rules_version, index.generation)
-    return index.rules
+
+
+def _unbound_rules(index: ModelIndex, optimizer: Any) -> list[Rule]:
+    """The rules on bare tensors that no model holds (not on ``index.rules``) whose tensors ``optimizer``
+    steps: they apply to this commit (accounted for, rule 12)."""
+    if optimizer is None:
+        return []
+    groups = optimizer.param_groups
+    key = (state.process.rules_version, index.generation, len(groups), sum(len(g["params"]) for g in groups))
+    hit = index.unbound.get(optimizer)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    ids = {id(p) for g in groups for p in g["params"]}
+    mine = index.rules
+    out = [
+        r
+        for r in state.process.rules
+        if r.root() is None and r not in mine and any(id(t) in ids for t in r.owner_tensors())
+    ]
+    index.unbound[optimizer] = (key, out)
+    return out
 
 
 # --- one pass over the storage of every rule's tensors ------------------------

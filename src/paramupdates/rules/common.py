@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import hooks, routing, sharding
+from .. import hooks, routing, sharding, state
 from ..errors import UpdateError, listed
 from ..targets import index_of, index_owning
 
@@ -203,87 +203,123 @@ def stored_named(module: nn.Module, kind: str) -> list[tuple[str, torch.Tensor]]
     return [(n, routing.stored(t, journals)) for n, t in items]
 
 
-class WeakList:
-    """Tensors held weakly (a rule must not keep a model alive), in declaration order.
+def rule_died(_ref: Any) -> None:
+    """What a rule belongs to was collected: the registry drops the rule at its next use
+    (``rules.base.purge``), never later than the next declaration or commit."""
+    process = getattr(state, "process", None)  # (None at interpreter shutdown: module globals are cleared)
+    if process is not None:
+        process.rules_dead = True
 
-    Declared on a module (``root``, with the tensors' qualified names), the
-    list follows the module's tensors by name: when a tensor dies because its
-    module slot now holds another one (``fully_shard`` replaces every
-    parameter by a sharded ``DTensor`` parameter), the rule takes the new one.
-    Tensors given without their module are held by identity only.
+
+def follow_in(rule: Any, root: nn.Module | None) -> None:
+    """Note that ``rule`` follows its tensors by name in ``root``: if ``root`` is replaced in its parent
+    (``model[2] = nn.Linear(...)``), ``rule.rebase`` makes it follow them there
+    (``guards.on_module_registration``)."""
+    if root is None:
+        return
+    roots = state.process.rule_roots
+    followers = roots.get(root)
+    if followers is None:
+        followers = roots[root] = weakref.WeakSet()
+    followers.add(rule)
+
+
+class WeakList:
+    """The tensors a rule covers, in declaration order; held weakly (a rule must not keep a model alive).
+
+    Declared on a module (``root``, with the tensors' qualified names), the list follows the module's
+    tensors **by name**: :meth:`resync` reads every named slot of ``root`` again and takes whatever
+    tensor the module holds there now, whether or not anything still holds the one it replaced (a layer
+    replaced between steps, ``load_state_dict(assign=True)``, ``fully_shard``'s DTensor parameters). A
+    name the module no longer has is *lost*: the next commit of its model raises, naming it. Tensors
+    given without their module are held by identity until a model that paramupdates indexes is found to
+    hold them (:meth:`adopt`); from then on they are followed by name there.
     """
 
     def __init__(
         self, tensors: list[torch.Tensor], root: nn.Module | None = None, names: list[str] | None = None
     ) -> None:
         died = self._died = [False]  # set when a held tensor is collected (no pass over them per commit)
-        self._on_death = lambda _ref: died.__setitem__(0, True)
-        self._refs = [weakref.ref(t, self._on_death) for t in tensors]
-        self._root = weakref.ref(root) if root is not None else None
+
+        def on_death(_ref: Any) -> None:
+            died[0] = True
+            rule_died(_ref)
+
+        self._on_death = on_death
+        self._refs = [weakref.ref(t, on_death) for t in tensors]
+        self._root = weakref.ref(root, rule_died) if root is not None else None
         self._names = names
+        self._stale = False  # the names were rebased: read the slots again before the next use
         self.meta = [(tuple(t.shape), t.dtype) for t in tensors]  # what a lost tensor was (for errors)
-        self.lost: list[int] = []  # positions that died and could not be followed (by the last current())
+        self.lost: list[int] = []  # positions whose name the root module no longer has (by the last resync)
 
     @property
     def root(self) -> nn.Module | None:
         """The module the tensors are followed in (``None``: held by identity only)."""
         return self._root() if self._root is not None else None
 
-    def lost_names(self) -> list[str]:
-        """The qualified names that died and could not be followed in a live root module (looked
-        at only after a held tensor was collected)."""
-        if not self._died[0] or self._names is None or self.root is None:
-            return []
-        self.current()  # follows what it can, notes the rest in self.lost
-        if not self.lost:
-            self._died[0] = False
-        return [self._names[i] for i in self.lost]
+    @property
+    def names(self) -> list[str] | None:
+        """The qualified names in :attr:`root` (``None``: held by identity only)."""
+        return self._names
 
-    def adopt(self, root: nn.Module, names: list[str | None]) -> None:
+    def lost_names(self) -> list[str]:
+        """The qualified names that :attr:`root` no longer has (read again after a held tensor died or
+        the names were rebased)."""
+        if (self._died[0] or self._stale) and self._names is not None and self.root is not None:
+            self.resync()
+        return [self._names[i] for i in self.lost] if self._names is not None else []
+
+    def adopt(self, root: nn.Module, names: list[str | None]) -> bool:
         """Tensors given without their module, found in ``root`` under ``names``: from now on they are
-        followed there by name, as if the rule had been declared on ``root``."""
+        followed there by name, as if the rule had been declared on ``root``. True if adopted."""
         if self._root is None and all(n is not None for n in names):
-            self._root = weakref.ref(root)
+            self._root = weakref.ref(root, rule_died)
             self._names = list(names)  # type: ignore[arg-type]
+            return True
+        return False
+
+    def rebase(self, parent: nn.Module, name: str) -> None:
+        """:attr:`root` is being replaced in ``parent`` under ``name``: follow the same names under the
+        module that takes its place (``name.<qualified name>`` in ``parent``)."""
+        self._root = weakref.ref(parent, rule_died)
+        self._names = [f"{name}.{n}" for n in self._names or ()]
+        self._stale = True
 
     def current(self) -> list[torch.Tensor | None]:
-        """Each declared tensor (None where it died and could not be followed)."""
+        """Each declared tensor (None where its name is lost, or where it died unfollowed)."""
+        if self._stale or (self._died[0] and self._root is not None):
+            self.resync()
         out = [r() for r in self._refs]
-        if self._root is not None and any_none(out):
-            self._follow(out)
+        for i in self.lost:
+            out[i] = None
         return out
 
-    def _follow(self, out: list[torch.Tensor | None]) -> None:
-        root = self._root() if self._root is not None else None
-        self.lost = []
-        if root is None or self._names is None:
-            return
-        for i, t in enumerate(out):
-            if t is None:
-                t = slot_tensor(root, self._names[i])
-                if t is not None:
-                    self._refs[i] = weakref.ref(t, self._on_death)
-                    out[i] = t
-                else:
-                    self.lost.append(i)
-
     def resync(self) -> bool:
-        """Take the tensor now in each named slot of ``root`` where it is another object (or ours died);
-        True if any changed. One lookup per tensor: run when ownership is recomputed, not per commit."""
+        """Take the tensor each named slot of :attr:`root` holds now where it is another object than the
+        one held; note the names ``root`` no longer has in :attr:`lost`. True if any changed. One lookup
+        per tensor: run when the model's structure or the rules changed, or a full check is due, never
+        per commit."""
         root = self._root() if self._root is not None else None
+        self._stale = False
         if root is None or self._names is None:
             return False
+        self._died[0] = False
         changed = False
+        lost = []
         for i, name in enumerate(self._names):
             t = slot_tensor(root, name)
             if t is None:
+                lost.append(i)
                 continue
             old = self._refs[i]()
-            if t is not None and t is not old:
+            if t is not old:
                 if old is not None and sharding.is_sharded(old) and not sharding.is_sharded(t):
                     continue  # inside FSDP's forward/backward: its temporary unsharded parameter, not a successor
                 self._refs[i] = weakref.ref(t, self._on_death)
                 changed = True
+        changed = changed or lost != self.lost
+        self.lost = lost
         return changed
 
     def keep(self, idx: list[int]) -> None:
@@ -292,15 +328,20 @@ class WeakList:
         self.meta = [self.meta[i] for i in idx]
         if self._names is not None:
             self._names = [self._names[i] for i in idx]
+        self.lost = []
+        self._stale = self._names is not None
 
     def live(self) -> list[torch.Tensor]:
         return [t for t in self.current() if t is not None]
 
     def alive(self) -> bool:
+        """Declared on a module: while the module it follows lives. Else: while a tensor does."""
+        if self._root is not None:
+            return self._root() is not None
         for r in self._refs:  # (the first is alive in the common case: no pass over all of them)
             if r() is not None:
                 return True
-        return not all(map(operator.is_, self.current(), itertools.repeat(None)))  # followed by name?
+        return False
 
 
 class OnTensorList:
@@ -313,14 +354,26 @@ class OnTensorList:
     _key: Any
 
     def adopt(self, index: Any) -> None:
-        if self._tensors.root is None:
-            self._tensors.adopt(index.model, [None if t is None else index.name_of(t) for t in self._tensors.current()])
+        if self._tensors.root is None and self._tensors.adopt(
+            index.model, [None if t is None else index.name_of(t) for t in self._tensors.current()]
+        ):
+            follow_in(self, index.model)
+
+    def rebase(self, old: nn.Module, parent: nn.Module, name: str) -> None:
+        """The module this rule follows its tensors in is being replaced in ``parent`` under ``name``."""
+        if self._tensors.root is old:
+            self._tensors.rebase(parent, name)
+            self._key = None
+            follow_in(self, parent)
 
     def lost_names(self) -> list[str]:
         return self._tensors.lost_names()
 
     def root(self) -> Any:
         return self._tensors.root
+
+    def held_tensors_only(self) -> bool:
+        return self._tensors.names is None
 
     def keep_except(self, ids: set[int]) -> list[int]:
         """Keep the tensors whose ``id()`` is not in ``ids``; the positions kept (the plan is made again)."""

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from .base import Rule
-from .common import OnTensorList, WeakList, any_none, has_subclass, storage_key
+from .common import OnTensorList, WeakList, any_none, follow_in, has_subclass, storage_key
 
 if TYPE_CHECKING:
     from .base import CommitContext
@@ -45,6 +45,7 @@ class DeclaredRule(OnTensorList, Rule):
         """Keep ``named`` (``(qualified name, tensor)``, in order): weakly, followed by name in ``root``."""
         self.names = [n for n, _ in named]
         self._tensors = WeakList([t for _, t in named], root, self.names if root is not None else None)
+        follow_in(self, root)
         self._sub = has_subclass([t for _, t in named])
         self._key: tuple | None = None
         self.plan: Any = None
@@ -92,6 +93,10 @@ class DeclaredRule(OnTensorList, Rule):
 
     # --- the commit --------------------------------------------------------------------------------
     def check(self, ctx: CommitContext) -> None:
+        # a full check (the first, or something changed): read the named slots again, so that a tensor
+        # replaced without a registration hook (Module._apply, to_empty) is followed even if the old one lives
+        if self._tensors.resync():
+            self._key = None
         live = self._tensors.current()
         key = (self.plan_key(ctx, live), storage_key([t for t in live if t is not None], self._sub))
         if key != self._key:

@@ -89,7 +89,7 @@ import torch
 from torch import nn
 
 from .. import hooks, routing, sharding, state
-from ..errors import UpdateError
+from ..errors import UpdateError, listed
 from ..origin import call_site
 from ..phases import AFTER_STEP
 from ..refs import WatchedRef
@@ -98,10 +98,12 @@ from .base import Rule, register
 from .common import (
     aliases,
     check_declared,
+    follow_in,
     has_subclass,
     no_subclass,
     plain_if,
     refuse_inside_step,
+    rule_died,
     storage_key,
     stored_named,
     where,
@@ -227,7 +229,10 @@ class EMA(Rule):
         device: torch.device | None = None,
     ) -> None:
         super().__init__(origin)
-        self._model = WatchedRef(model)
+        self._model = WatchedRef(model, rule_died)  # the module the average follows by name (``_path`` in it)
+        self._path = ""
+        self._stale = False  # rebased: pair again before the next commit
+        follow_in(self, model)
         self.module = module
         self.decay = decay
         self.warmup = _PRESETS[warmup] if isinstance(warmup, str) else warmup
@@ -261,6 +266,14 @@ class EMA(Rule):
         for kind in ("parameters", "buffers"):
             a = dict(stored_named(model, kind))  # (not a pending value a slot shows: rule 1)
             b = dict(getattr(module, f"named_{kind}")())
+            gone = [n for n in b if n not in a and n != COUNTER]
+            if gone:
+                raise UpdateError(
+                    f"pu.ema (declared at {self.origin}): the averaged copy has {listed(list(map(repr, gone)))}, "
+                    f"which the model no longer has (its {kind} changed after the declaration: a layer removed, "
+                    "renamed or wrapped). Nothing of this step was written. Declare pu.ema again on the model as "
+                    "it is now (and .remove() the old one: paramupdates.rules.ema.rule_of(copy).remove())."
+                )
             for name, t in a.items():
                 if name not in b:
                     raise UpdateError(
@@ -273,6 +286,7 @@ class EMA(Rule):
                 dst.append(b[name])
                 floating = t.is_floating_point() or t.is_complex()
                 avg.append(floating and (kind == "parameters" or self.include_buffers))
+        self._stale = False
         self.names = names
         self._src = src  # strong: the rule ends with the model (alive()), not with its tensors
         self._dst = dst
@@ -294,7 +308,7 @@ class EMA(Rule):
         first = self._first
         if first is None:
             return
-        model = self._model()
+        model = self._followed()
         if model is None:
             return
         owner, attr, kind = first
@@ -304,11 +318,12 @@ class EMA(Rule):
             return  # inside FSDP's forward/backward the slot holds its temporary unsharded parameter
         if now0 is not None and now0 is not self._src[0]:
             pass  # the first slot changed (fully_shard replaces them all)
-        elif not full:
+        elif not full and not self._stale:
             return
         else:
             now = [t for kind in ("parameters", "buffers") for _, t in stored_named(model, kind)]
             if len(now) == len(self._src) and all(a is b for a, b in zip(now, self._src)):
+                self._stale = False
                 return
         support = hooks.sharding_support()  # sharding hook: shard the copy like the model
         if support is not None:
@@ -318,6 +333,36 @@ class EMA(Rule):
 
     def resync(self) -> None:
         self.refresh(full=True)
+
+    def _followed(self) -> nn.Module | None:
+        """The averaged model: the module ``_path`` names in the module followed (itself, until a module
+        it sat in replaced it: :meth:`rebase`); ``None`` if gone."""
+        model = self._model()
+        if model is None or not self._path:
+            return model
+        try:
+            return model.get_submodule(self._path)
+        except AttributeError:
+            return None
+
+    def root(self) -> Any:
+        return self._model()
+
+    def rebase(self, old: Any, parent: Any, name: str) -> None:
+        """The averaged model (or a module it sits in) is being replaced in ``parent`` under ``name``:
+        average what ``parent`` holds there from now on, by name (the copy keeps its averages)."""
+        if self._model() is not old:
+            return
+        self._model = WatchedRef(parent, rule_died)
+        self._path = f"{name}.{self._path}" if self._path else name
+        self._stale = True
+        self._key = None
+        follow_in(self, parent)
+
+    def lost_names(self) -> list[str]:
+        if self._followed() is None and self._model() is not None:
+            return [self._path]  # the module averaged is gone from where it was
+        return []
 
     # --- the step counter t ------------------------------------------------
     @property
@@ -334,8 +379,7 @@ class EMA(Rule):
         return not self._model.gone  # (not the model itself: see refs.WatchedRef)
 
     def owner_tensors(self) -> list[torch.Tensor]:
-        self.refresh()
-        return self._src
+        return self._src  # (followed anew by resync/check, on the averaged model's own commits)
 
     def same_kind(self) -> Any:
         # an EMA of the same model with the same settings (several EMAs of one model with other
@@ -344,13 +388,13 @@ class EMA(Rule):
         code = getattr(w, "__code__", None)
         warmup = (code.co_filename, code.co_firstlineno) if code is not None else w
         # the model itself (compared by identity; a key is made to compare, never kept)
-        return ("ema", self._model(), self.decay, warmup, self.include_buffers, self._dtype, self._device)
+        return ("ema", self._followed(), self.decay, warmup, self.include_buffers, self._dtype, self._device)
 
     def describe(self) -> str:
         return "pu.ema"
 
     def names_of(self, ids: set[int]) -> list[str]:
-        return [f"the {len(self.names)} tensors of {type(self._model()).__name__}"]
+        return [f"the {len(self.names)} tensors of {type(self._followed()).__name__}"]
 
     def tensors(self) -> list[torch.Tensor]:
         return self._dst
@@ -381,6 +425,7 @@ class EMA(Rule):
         self.refresh()
         key = storage_key(self._pairs, self._sub)
         if key != self._key:
+            self.refresh(full=True)  # (a slot may hold a new tensor whose predecessor lives on: Module._apply)
             self._build()
             self._key = storage_key(self._pairs, self._sub)  # (_build may have moved or re-paired the copy)
             self._where = [(t.dtype, t.device) for t in self._src]
@@ -410,7 +455,7 @@ class EMA(Rule):
         before) is left as it is, and refused by :meth:`_build`. A copy made of a model on the
         ``meta`` device has no values: once the model has them, the copy starts as a copy of them
         (the average of no update), with its counter at 0."""
-        model = self._model()
+        model = self._followed()
         if model is None or not self._src or any(t.is_meta for t in self._src):
             return  # (a model on meta: refused by _build)
         seen = self._where

@@ -18,9 +18,11 @@ The rules interpreted
       step every covered name resolves to the tensor the module holds under that name *now*.
     * A rule that cannot resolve makes the step raise ``pu.UpdateError`` before anything is written,
       naming the rule, its declaration site and what vanished: a covered name the module no longer has
-      (a LoRA-style wrap renamed it, a parametrization moved it to ``...parametrizations.weight.original``),
-      or, for a rule declared on one layer, the layer itself when it is no longer part of the model
-      (it was replaced: the rule is the old layer's, and it cannot silently stop applying).
+      (a LoRA-style wrap renamed it, a parametrization moved it to ``...parametrizations.weight.original``).
+    * A rule declared on one layer follows that layer's *place* in the model: when ``model[i]`` is replaced
+      (by a fresh layer, or by a wrapper around it), the rule covers ``i.<name>`` in the model from then on,
+      whatever holds the old layer. A fresh layer of the same kind is covered by name; a wrapper renames
+      ``i.weight`` to ``i.inner.weight``, so the next step raises naming the vanished ``i.weight``.
     * ``weight_decay`` (phase ``before_grad``): for each covered tensor that is in the optimizer's param
       groups and has a ``.grad``: ``p.mul_(1 - lr_of_its_group * rate)``.
     * the optimizer's own step (the real ``torch.optim`` one, on this side's copy of the model);
@@ -341,6 +343,15 @@ class Reference(Session):
                 rule.copy = copy.deepcopy(module)
         self.rules.append(rule)
         return rule
+
+    def act(self, step: int, k: int, action: tuple) -> None:
+        if action[0] in ("replace", "wrap"):
+            i, old = action[1], self.model[action[1]]
+            for rule in self.rules:
+                if rule.module is old:  # the rule follows the layer's place in the model
+                    rule.module = self.model
+                    rule.names = [f"{i}.{n}" for n in rule.names]
+        super().act(step, k, action)
 
     def resolve(self, rule: Declared) -> dict[str, torch.Tensor] | tuple[str, ...] | None:
         """What ``rule`` covers now, by name; else what vanished (``None``: the module it was declared on

@@ -206,5 +206,6 @@ def test_the_reference_applies_rules_by_name():
         ("weight_decay", "model", ("0.weight", "2.weight")),
         ("constrain", "model", ("0.weight", "0.bias", "2.weight")),
         ("ema", "model", ("0.weight", "0.bias", "2.weight")),
-        ("constrain", "layer", None),  # declared on the layer that was replaced
     ]
+    # the rule declared on the layer that was replaced follows its place in the model: the new layer
+    assert ref.resolve(ref.rules[3]) == {"3.weight": ref.model[3].weight, "3.bias": ref.model[3].bias}

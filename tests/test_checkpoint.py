@@ -1,5 +1,7 @@
 """Rule 3: recomputation replays, never re-issues (pu.checkpoint vs torch.utils.checkpoint)."""
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -276,7 +278,78 @@ def test_checkpoint_passes_kwargs_and_keeps_rng():
     assert torch.equal(bn.running_mean, bn2.running_mean)
 
 
-def test_pu_checkpoint_warns_about_torch_batchnorm():
-    block = Block(nn.BatchNorm2d)
-    with pytest.warns(UserWarning, match="pu.convert"):
-        pu.checkpoint(block, torch.randn(2, 3, 4, 4, requires_grad=True))
+@pytest.mark.parametrize("stepped", [False, True])
+def test_torch_batchnorm_under_pu_checkpoint_counts_once(stepped):
+    """A batch norm left unconverted in a pu.checkpoint segment (inside a step or not): the
+    recomputation gives it back the statistics it found, so they equal plain PyTorch without
+    checkpointing, bitwise (earlier pu.checkpoint warned and counted the batch twice)."""
+    xs = [torch.randn(4, 3, 5, 5) for _ in range(3)]
+    ref, ckpt = Net(nn.BatchNorm2d), Net(nn.BatchNorm2d, ckpt=pu.checkpoint)
+    _same_init(ref, ckpt)
+    _train(ref, xs, stepped=False)
+    _train(ckpt, xs, stepped=stepped)
+    assert int(ckpt.block.bn.num_batches_tracked) == 3
+    assert_same(snapshot(ref), snapshot(ckpt))
+
+
+_NORMS = {
+    "BatchNorm2d": nn.BatchNorm2d,
+    "BatchNorm2d(momentum=None)": lambda c: nn.BatchNorm2d(c, momentum=None),  # reads num_batches_tracked
+    "InstanceNorm2d(track_running_stats=True)": lambda c: nn.InstanceNorm2d(c, track_running_stats=True),
+}
+
+
+def _train_in(model, xs, use):
+    """Train ``model`` on ``xs`` under ``pu.attach``, in ``pu.step`` blocks, or with no paramupdates."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if use == "attach":
+        pu.attach(model, opt)
+    for x in xs:
+        with pu.step(model, opt) if use == "step" else contextlib.nullcontext():
+            model(x).square().sum().backward()
+        if use != "step":
+            opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("norm", list(_NORMS))
+@pytest.mark.parametrize("use", ["attach", "step"])
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_torch_batchnorm_under_torch_checkpoint_counts_once_in_a_model_paramupdates_steps(use_reentrant, use, norm):
+    """A model under pu.attach (or pu.step) that was not converted, checkpointed with
+    torch.utils.checkpoint (either mode): its torch.nn norm layers' statistics are bitwise those of
+    plain PyTorch without checkpointing. The same model that paramupdates does not step, checkpointed
+    beside it, keeps torch's own double count (pytorch/pytorch#96136)."""
+    xs = [torch.randn(4, 3, 5, 5).requires_grad_() for _ in range(3)]  # (reentrant: an input needs grad)
+    ckpt = lambda f, x: torch_checkpoint(f, x, use_reentrant=use_reentrant)  # noqa: E731
+    ref, stepped, bare = Net(_NORMS[norm]), Net(_NORMS[norm], ckpt=ckpt), Net(_NORMS[norm], ckpt=ckpt)
+    _same_init(ref, stepped, bare)
+    _train_in(ref, xs, None)
+    _train_in(stepped, xs, use)
+    _train_in(bare, xs, None)
+    assert_same(snapshot(ref), snapshot(stepped))
+    # torch's own, where paramupdates is not in play: every batch counted twice
+    assert not torch.equal(bare.block.bn.running_mean, ref.block.bn.running_mean)
+
+
+class Probe(nn.Module):
+    """Notes, at each call, how many global forward pre-hooks torch has."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append(len(torch.nn.modules.module._global_forward_pre_hooks))
+        return x
+
+
+def test_norms_are_noted_only_while_a_recomputation_runs():
+    """What it costs: nothing in forward; a global forward pre-hook only during the recomputation."""
+    before = len(torch.nn.modules.module._global_forward_pre_hooks)
+    probe = Probe()
+    model = Net(nn.BatchNorm2d, ckpt=lambda f, x: torch_checkpoint(lambda y: f(probe(y)), x, use_reentrant=False))
+    _train_in(model, [torch.randn(4, 3, 5, 5)], "attach")
+    assert probe.seen == [before, before + 1]  # the forward, then the recomputation
+    assert len(torch.nn.modules.module._global_forward_pre_hooks) == before
+    assert int(model.block.bn.num_batches_tracked) == 1

@@ -134,3 +134,76 @@ def test_a_checkpoint_saved_inside_a_step_resumes_without_counting_the_batch_twi
 
 def copy_state(m):
     return {k: v.clone() for k, v in m.state_dict().items()}
+
+
+def _momenta(m, opt):
+    return [(n, opt.state[p]["momentum_buffer"]) for n, p in m.net.named_parameters()]
+
+
+def _train(m, opt, x):
+    m(x).square().sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_a_whole_model_saved_inside_a_step_resumes_like_one_saved_between_steps(tmp_path):
+    """torch.save(model) inside a step (under pu.attach, after the batch's forward and backward) saves
+    the stored values: resumed, it trains bitwise like the checkpoint saved between steps and like the
+    run that never stopped (the pending statistics, counter, pu.Parameter and plain parameter of the
+    batch are not saved, so the batch is not counted twice)."""
+    xs = [torch.randn(8, 4) for _ in range(3)]
+    torch.manual_seed(3)
+    m = Mixed()
+    opt = torch.optim.SGD(m.net.parameters(), lr=0.1, momentum=0.9)
+    pu.attach(m, opt)
+    _train(m, opt, xs[0])
+    torch.save({"model": m, "opt": opt.state_dict()}, tmp_path / "between.pt")
+    m(xs[1]).square().sum().backward()
+    assert int(m.net.calls) == 2  # reads see the pending values ...
+    torch.save({"model": m, "opt": opt.state_dict()}, tmp_path / "inside.pt")  # ... the checkpoint does not
+    opt.step()
+    opt.zero_grad()
+    _train(m, opt, xs[2])
+    for name in ("between.pt", "inside.pt"):
+        ckpt = torch.load(tmp_path / name, weights_only=False)
+        r = ckpt["model"]
+        assert int(r.net.calls) == 1 and type(r.scale) is pu.Parameter
+        ropt = torch.optim.SGD(r.net.parameters(), lr=0.1, momentum=0.9)
+        ropt.load_state_dict(ckpt["opt"])
+        pu.attach(r, ropt)
+        for x in xs[1:]:
+            _train(r, ropt, x)
+        assert_same(snapshot(m), snapshot(r))
+        assert_same(_momenta(m, opt), _momenta(r, ropt))
+        assert int(r.net.calls) == 3
+
+
+@pytest.mark.parametrize("use", ["step", "attach"])
+def test_pickling_a_model_inside_a_step_holds_stored_values_and_copy_copy_shares_its_slots(use):
+    """pickle.dumps(model) inside a step holds stored values (buffers, the pu.Parameter showing a pending
+    value, the plain parameter); a pending value read and pickled on its own is the pending value;
+    copy.copy(model) is torch's shallow copy: it shares the slots, so its reads see the pending values
+    and the commit updates it."""
+    import copy
+    import pickle
+
+    m = Mixed()
+    opt = torch.optim.SGD(m.net.parameters(), lr=0.1)
+    att = pu.attach(m, opt) if use == "attach" else None
+    with pu.step(m, opt) if use == "step" else contextlib.nullcontext():
+        m(torch.randn(8, 4)).square().sum().backward()
+    committed = _committed(m)
+    with pu.step(m, opt) if use == "step" else contextlib.nullcontext():
+        m(torch.randn(8, 4)).square().sum().backward()
+        back = pickle.loads(pickle.dumps(m))
+        assert_same(committed, list(back.state_dict().items()))
+        assert type(back.scale) is pu.Parameter and torch.equal(back.scale, dict(committed)["scale"])
+        assert int(pickle.loads(pickle.dumps(m.net.calls))) == 2  # a read, pickled: the pending value
+        shallow, top = copy.copy(m.net), copy.copy(m)
+        assert shallow._buffers is m.net._buffers and shallow.bn is m.net.bn and top.net is m.net
+        assert int(shallow.calls) == 2 and torch.equal(top.scale, torch.full((4,), 0.25))
+        assert int(m.net.calls) == 2  # pickling moved nothing
+    if att is not None:
+        opt.step()
+    assert int(m.net.calls) == 2 and int(shallow.calls) == 2
+    assert_same(_committed(m.net), list(shallow.state_dict().items()))

@@ -26,8 +26,8 @@ from .step import Stepper, step
 from .updates import assign, assign_add, assign_key, assign_sub, read
 
 _INSTALLED = (guards.install(), *integrations.install())
-"""What importing paramupdates puts in place (the guards of ``copy.deepcopy`` and of module
-registration, the integrations' hooks); each has ``.remove()``."""
+"""What importing paramupdates puts in place (the guards of ``copy.deepcopy``, of pickling a module
+and of module registration, the integrations' hooks); each has ``.remove()``."""
 
 __all__ = [
     "AccountingWarning",

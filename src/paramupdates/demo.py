@@ -16,7 +16,11 @@ The same run is made three times in lockstep, on the same weights and batches:
 
 ``reference``  paramupdates batch norm, no checkpointing;
 ``pu``         paramupdates batch norm under ``pu.checkpoint``;
-``torch``      ``torch.nn.BatchNorm2d`` under ``torch.utils.checkpoint``.
+``torch``      ``torch.nn.BatchNorm2d`` under ``torch.utils.checkpoint``, its forward and backward
+               plain PyTorch (outside the step, which then commits the same rules and
+               optimizer update: inside a step, paramupdates gives a torch.nn batch norm
+               back the statistics the recomputation found, and the variant would not
+               show PyTorch's own behaviour).
 
 Gradients, hence weights, are the same in all three. The running statistics
 are not: PyTorch's batch norm updates them again when the checkpointed block
@@ -40,6 +44,7 @@ matplotlib, tqdm).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import sys
@@ -189,11 +194,16 @@ def make_runs(seed: int, lr: float, weight_decay: float, max_norm: float, ema_de
 # training
 # ----------------------------------------------------------------------------
 def train_step(run: Run, x: torch.Tensor, y: torch.Tensor) -> float:
-    """One step as a paramupdates transaction; the commit steps the optimizer."""
-    with run.stepper:
+    """One step as a paramupdates transaction; the commit steps the optimizer. The ``torch`` variant
+    runs its forward and backward as plain PyTorch, before its step (what PyTorch alone does)."""
+    plain = run.name == "torch"
+    with contextlib.nullcontext() if plain else run.stepper:
         run.opt.zero_grad(set_to_none=True)
         loss = F.cross_entropy(run.model(x, SEGMENTS[run.name]), y)
         loss.backward()
+    if plain:
+        with run.stepper:
+            pass  # the commit: weight decay, Adam, the constraint, the EMA
     return float(loss.detach())
 
 

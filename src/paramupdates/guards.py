@@ -7,10 +7,18 @@ what saves, copies, loads or replaces a module's tensors must not:
 * ``module.state_dict()`` saves stored values: a ``state_dict`` post-hook on
   every module paramupdates indexes (:func:`guard_module`) puts each stored
   tensor in place of the pending value a slot shows;
+* pickling a module (``torch.save(model)``, ``pickle.dumps(model)``) saves stored
+  values: ``nn.Module.__getstate__`` (what pickling calls for every module) gives
+  each buffer slot that shows a pending value as its stored tensor
+  (:func:`module_getstate`; a ``pu.Parameter`` pickles its stored value itself);
+  ``copy.copy(module)`` stays torch's shallow copy, which shares the slots (the
+  same model under a second name: its reads see the pending values);
 * ``copy.deepcopy(module)`` copies stored values: a plain tensor copied as part
   of its module's buffer dict, while it is a shown pending value, copies as
-  the stored tensor (a handler in ``copy``'s dispatch table for ``torch.Tensor``;
-  a pending value read and copied on its own stays the pending value);
+  the stored tensor (a handler in ``copy``'s dispatch table for ``torch.Tensor``:
+  it also covers deep copies that copy a module's ``__dict__`` without
+  ``__getstate__``, as a parametrized module's ``__deepcopy__`` does; a pending
+  value read and copied (or pickled) on its own stays the pending value);
 * ``module.load_state_dict(...)`` of tensors with pending updates raises
   :class:`UpdateError` before anything is loaded (a ``load_state_dict``
   pre-hook on every indexed module);
@@ -51,18 +59,51 @@ def committed_state(module: nn.Module, state_dict: dict[str, Any], prefix: str, 
     journals = routing.live_journals(routing.PROCESS)
     if journals:
         buffers = module._buffers
-        for attr, v in buffers.items():
+        for attr, t in _stored_slots(buffers, journals).items():
             key = prefix + attr
-            if v is None or key not in state_dict:
-                continue
-            found = stored_of(v, journals)
-            if found is not None and found[1] is buffers:
-                state_dict[key] = found[0] if state_dict[key] is v else found[0].detach()
+            if key in state_dict:
+                state_dict[key] = t if state_dict[key] is buffers[attr] else t.detach()
     if _pending:
         for attr, p in module._parameters.items():
             key = prefix + attr
             if p is not None and id(p) in _pending and key in state_dict and state_dict[key] is not p:
                 state_dict[key] = overlay.plain(p).detach()  # the stored value (the pending one is shown by reads)
+
+
+def _stored_slots(buffers: dict[str, Any], journals: list[Any]) -> dict[str, torch.Tensor]:
+    """``{attr: stored tensor}`` for each slot of the buffer dict ``buffers`` that shows a pending value
+    of one of ``journals`` (that journal's entry for it is this very slot)."""
+    out = {}
+    for attr, v in buffers.items():
+        if v is not None:
+            found = stored_of(v, journals)
+            if found is not None and found[1] is buffers:
+                out[attr] = found[0]
+    return out
+
+
+# --- pickling ------------------------------------------------------------------------------------------
+_TORCH_GETSTATE = nn.Module.__getstate__
+_COPY_CODE = copy.copy.__code__
+
+
+def module_getstate(module: nn.Module) -> dict[str, Any]:
+    """``nn.Module.__getstate__`` while paramupdates is imported: torch's state (a copy of the module's
+    ``__dict__``), with a new buffer dict holding the stored tensor of each slot that shows a pending
+    value, so ``torch.save(model)``, ``pickle.dumps(model)`` (and ``copy.deepcopy``) save stored values.
+
+    Pickling calls it once per module (a parent's state holds its children, each pickled by its own
+    ``__reduce_ex__``). ``copy.copy(module)`` calls it too and keeps torch's state: a shallow copy shares
+    the slot dicts (and the submodules), so it is the same model under a second name. Between steps it
+    is torch's, plus one check (no journal open: nothing built)."""
+    state = _TORCH_GETSTATE(module)
+    journals = routing.live_journals(routing.PROCESS)
+    if journals and sys._getframe(1).f_code is not _COPY_CODE:
+        buffers = state.get("_buffers")
+        stored = _stored_slots(buffers, journals) if buffers else None
+        if stored:
+            state["_buffers"] = {**buffers, **stored}  # (the module's own dict is untouched)
+    return state
 
 
 # --- load_state_dict ---------------------------------------------------------------------------------
@@ -226,6 +267,7 @@ class _Installed:
         dispatch = copy._deepcopy_dispatch  # type: ignore[attr-defined]
         type(self).previous_deepcopy = dispatch.get(torch.Tensor)
         dispatch[torch.Tensor] = _deepcopy_tensor
+        nn.Module.__getstate__ = module_getstate  # type: ignore[method-assign]
         self.module_hooks = (
             nn.modules.module.register_module_buffer_registration_hook(on_buffer_registration),
             nn.modules.module.register_module_parameter_registration_hook(on_parameter_registration),
@@ -240,12 +282,14 @@ class _Installed:
                 del dispatch[torch.Tensor]
             else:
                 dispatch[torch.Tensor] = prev
+        if nn.Module.__getstate__ is module_getstate:
+            nn.Module.__getstate__ = _TORCH_GETSTATE  # type: ignore[method-assign]
         for h in self.module_hooks:
             h.remove()
 
 
 def install() -> _Installed:
-    """Put the guards in place: ``copy.deepcopy``'s handler for plain tensors and the global module
-    registration hooks. ``paramupdates/__init__.py`` calls it once, keeping the handle
-    (``handle.remove()`` undoes it)."""
+    """Put the guards in place: ``copy.deepcopy``'s handler for plain tensors, ``nn.Module.__getstate__``
+    (:func:`module_getstate`) and the global module registration hooks. ``paramupdates/__init__.py``
+    calls it once, keeping the handle (``handle.remove()`` undoes it)."""
     return _Installed()

@@ -170,7 +170,7 @@ class EagerLog:
             for k, (t, _) in self.entry.items():
                 out[k] = t.detach().clone()
                 t.detach().copy_(values[k])
-                _set_version(t, versions[k])
+                set_version(t, versions[k])
         return out
 
     def owns(self, t: torch.Tensor) -> bool:
@@ -178,7 +178,8 @@ class EagerLog:
         return rec is not None and rec[0] is t
 
 
-def _set_version(t: torch.Tensor, version: int) -> None:
+def set_version(t: torch.Tensor, version: int) -> None:
+    """Set ``t``'s version counter (what a write that is undone leaves: saved tensors stay valid)."""
     try:
         torch._C._autograd._unsafe_set_version_counter((t,), (version,))
     except TypeError:  # torch < 2.5 takes one tensor

@@ -23,21 +23,34 @@ Reentrant checkpointing (``use_reentrant=True``) recomputes inside backward
 with no hook to replay through: an update it issues again inside a step
 raises :class:`~paramupdates.UpdateError` (the step is discarded, nothing is
 written); use ``pu.checkpoint``.
+
+torch.nn norm layers that keep running statistics (``nn.BatchNorm*``, an
+``InstanceNorm`` with ``track_running_stats=True``: not converted with
+``pu.convert``) write them in place in forward, and again when the segment is
+recomputed (pytorch/pytorch#96136). Where paramupdates is in play (a model
+under ``pu.attach`` or in a ``pu.step``; any module in a ``pu.checkpoint``
+segment), each recomputation gives them back the statistics it found
+(:class:`RecomputedNorms`): ``torch.utils.checkpoint``'s two recomputations,
+non-reentrant (its ``_recomputation_hook`` context) and reentrant
+(``CheckpointFunction.backward``), are wrapped while paramupdates is imported
+(:func:`install`); nothing runs outside a recomputation.
 """
 
 from __future__ import annotations
 
-import warnings
-import weakref
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.utils.checkpoint as _tc
+from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .. import hooks
-from ..replay import EagerLog, Segment
+from .. import hooks, routing
+from ..nn.batchnorm import UpdateSafeBatchNorm
+from ..replay import EagerLog, Segment, set_version
 
 __all__ = ["checkpoint"]
 
@@ -61,11 +74,7 @@ def torch_checkpoint_frame() -> Any:
 
 
 class TorchCheckpointProbe:
-    """The segment probe for plain ``torch.utils.checkpoint(..., use_reentrant=False)``; it also keeps
-    the modules ``pu.checkpoint`` warned about (held weakly: once per module)."""
-
-    def __init__(self) -> None:
-        self.warned: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+    """The segment probe for plain ``torch.utils.checkpoint(..., use_reentrant=False)``."""
 
     def active(self) -> bool:
         """(Called outside dynamo's tracing only: the core asks while it does not trace.)"""
@@ -99,28 +108,14 @@ class TorchCheckpointProbe:
 
 def _contexts() -> tuple[Any, Any]:
     seg = Segment()
-    return seg.forward(), seg.recompute()
+    return seg.forward(), _recompute(seg)
 
 
-def _warn_plain_batchnorm(fn: Any) -> None:
-    """torch.nn batch norms write in place, out of reach of the replay: say so once per module."""
-    mod = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
-    if not isinstance(mod, torch.nn.Module) or mod in PROBE.warned or not mod.training:
-        return
-    from ..nn.batchnorm import UpdateSafeBatchNorm
-
-    plain = [
-        n or type(m).__name__
-        for n, m in mod.named_modules()
-        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(m, UpdateSafeBatchNorm)
-    ]
-    if plain:
-        PROBE.warned.add(mod)
-        warnings.warn(
-            f"pu.checkpoint: {plain[:3]} are torch.nn batch norms; they update their statistics in place "
-            "and the recomputation updates them again. Convert the model first: model = pu.convert(model).",
-            stacklevel=3,
-        )
+@contextlib.contextmanager
+def _recompute(seg: Segment) -> Iterator[None]:
+    """``pu.checkpoint``'s recomputation: the replay, and every torch.nn norm layer it runs restored."""
+    with RecomputedNorms(everywhere=True), seg.recompute():
+        yield
 
 
 def checkpoint(
@@ -138,7 +133,9 @@ def checkpoint(
     are recorded once, in forward; in the recomputation every read sees what
     it saw in forward and the updates issued again are dropped. Outputs,
     gradients, running statistics and every other pending value equal the
-    run without checkpointing, bitwise on CPU.
+    run without checkpointing, bitwise on CPU; torch.nn batch norms in the
+    segment (not converted) too: the recomputation gives them back the
+    statistics it found (:class:`RecomputedNorms`).
 
     ``preserve_rng_state``, ``determinism_check`` and ``debug`` are passed to
     ``torch.utils.checkpoint.checkpoint``; every other keyword goes to ``fn``.
@@ -151,7 +148,6 @@ def checkpoint(
         # torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True,
         # and no context_fn other than a pair of dispatch modes.)
         return _tc.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
-    _warn_plain_batchnorm(fn)
     return _tc.checkpoint(
         fn,
         *args,
@@ -167,6 +163,112 @@ def checkpoint(
 PROBE = TorchCheckpointProbe()
 
 
-def install() -> list[RemovableHandle]:
-    """Register the segment probe (``paramupdates/__init__.py`` calls it)."""
-    return [hooks.register_segment_probe(PROBE)]
+# --- torch.nn norm layers recomputed ------------------------------------------------------------------
+def _keeps_statistics(module: nn.Module) -> bool:
+    """A torch.nn norm layer that updates running statistics in place when called now (train mode,
+    ``track_running_stats``), not one of paramupdates' update-safe batch norms (which replay)."""
+    return (
+        isinstance(module, nn.modules.batchnorm._NormBase)
+        and module.training
+        and module.track_running_stats
+        and not isinstance(module, UpdateSafeBatchNorm)
+    )
+
+
+def _stepped(module: nn.Module) -> bool:
+    """Whether ``module`` belongs to a model paramupdates steps: under ``pu.attach``, or the model of a
+    ``pu.step`` in progress (in any thread), as those models were last indexed."""
+    owners = [*routing.explicit_anywhere(), *routing.attachments()]
+    return any(owner.index.module_name(module) is not None for owner in owners)
+
+
+class RecomputedNorms:
+    """Around one recomputation of a checkpointed segment: the torch.nn norm layers it runs get back,
+    when it ends, the running statistics (``running_mean``, ``running_var``, ``num_batches_tracked``)
+    and version counters they had before it first ran them.
+
+    In train mode such a layer updates its statistics in place from the batch (its output does not
+    read them), so the segment's forward updated them once, as without checkpointing, and every
+    recomputation would update them again (pytorch/pytorch#96136): restoring the bits makes them
+    bitwise those of the run without checkpointing. ``everywhere``: every such layer (the segments of
+    ``pu.checkpoint``); else only the layers of a model paramupdates steps (:func:`_stepped`).
+
+    A global forward pre-hook (``torch.nn.modules.module.register_module_forward_pre_hook``) notes each
+    layer's statistics before its first call in the recomputation; it is registered for the
+    recomputation only (when paramupdates is in play) and acts in this thread only.
+    """
+
+    def __init__(self, everywhere: bool) -> None:
+        self.everywhere = everywhere
+        self.thread = threading.get_ident()
+        self.handle: RemovableHandle | None = None
+        self.found: dict[int, list[tuple[torch.Tensor, torch.Tensor, int]]] = {}
+
+    def __enter__(self) -> RecomputedNorms:
+        if self.everywhere or routing.anything_open():
+            self.handle = nn.modules.module.register_module_forward_pre_hook(self._note)
+        return self
+
+    def _note(self, module: nn.Module, args: Any) -> None:
+        if id(module) in self.found or not _keeps_statistics(module) or threading.get_ident() != self.thread:
+            return
+        if self.everywhere or _stepped(module):
+            stats = (module.running_mean, module.running_var, module.num_batches_tracked)
+            with torch.no_grad():
+                self.found[id(module)] = [(t, t.detach().clone(), t._version) for t in stats if t is not None]
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.handle is None:
+            return
+        self.handle.remove()
+        self.handle = None
+        with torch.no_grad():
+            for kept in self.found.values():
+                for t, value, version in kept:
+                    t.detach().copy_(value)
+                    set_version(t, version)
+        self.found.clear()
+
+
+class _TorchRecomputations:
+    """``torch.utils.checkpoint``'s recomputations wrapped in :class:`RecomputedNorms` (scoped to the
+    models paramupdates steps): the non-reentrant one's context class ``_recomputation_hook`` (entered
+    around each recomputation) is replaced by a subclass, and the reentrant ``CheckpointFunction.backward``
+    (which recomputes) by a wrapper. ``remove()`` puts torch's back."""
+
+    def __init__(self) -> None:
+        self.context = _tc._recomputation_hook
+        self.backward = _tc.CheckpointFunction.backward
+
+        class Recomputation(self.context):  # type: ignore[name-defined,misc]
+            def __enter__(self) -> None:
+                super().__enter__()
+                self.pu_norms = RecomputedNorms(everywhere=False).__enter__()
+
+            def __exit__(self, *exc: Any) -> None:
+                try:
+                    self.pu_norms.__exit__(*exc)
+                finally:
+                    super().__exit__(*exc)
+
+        torch_backward = self.backward
+
+        def backward(ctx: Any, *grads: Any) -> Any:
+            with RecomputedNorms(everywhere=False):
+                return torch_backward(ctx, *grads)
+
+        self.ours = (Recomputation, backward)
+        _tc._recomputation_hook = Recomputation
+        _tc.CheckpointFunction.backward = staticmethod(backward)  # type: ignore[method-assign]
+
+    def remove(self) -> None:
+        if _tc._recomputation_hook is self.ours[0]:
+            _tc._recomputation_hook = self.context
+        if _tc.CheckpointFunction.backward is self.ours[1]:
+            _tc.CheckpointFunction.backward = staticmethod(self.backward)  # type: ignore[method-assign]
+
+
+def install() -> list[Any]:
+    """Register the segment probe and wrap torch's recomputations (``paramupdates/__init__.py`` calls
+    it); each handle's ``remove()`` undoes its part."""
+    return [hooks.register_segment_probe(PROBE), _TorchRecomputations()]

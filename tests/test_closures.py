@@ -185,7 +185,8 @@ def test_lr_scheduler_before_or_after_attach(order):
     def run(attach):
         m = _net()
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
-        pu.weight_decay(m, 0.1)
+        if attach:
+            pu.weight_decay(m, 0.1)
         att = pu.attach(m, opt) if attach and order == "attach first" else None
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
         if attach and order == "scheduler first":
@@ -204,7 +205,10 @@ def test_lr_scheduler_before_or_after_attach(order):
             lrs.append(opt.param_groups[0]["lr"])
         if att is not None:
             att.detach()
-        opt.step()  # (after detach: the plain step)
+            with pytest.warns(pu.AccountingWarning, match="did not run"):
+                opt.step()  # (after detach: the plain step, the declared rule left out, and said)
+        else:
+            opt.step()
         pu.testing.reset()
         return snapshot(m), lrs
 

@@ -139,6 +139,17 @@ def capture(depth: int = 2, compiling: bool | None = None) -> Origin | str:
     return Origin(first.f_code.co_filename, first.f_lineno)
 
 
+def user_stacklevel() -> int:
+    """The ``stacklevel`` of a ``warnings.warn`` called by the caller that points at the first frame
+    outside paramupdates and torch (the user's line)."""
+    frame = sys._getframe(2)
+    level = 2
+    while frame is not None and is_internal(frame.f_code.co_filename):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
 def call_site(depth: int = 2) -> str:
     """``"file:line"`` of the first frame (from ``depth`` up) outside paramupdates and torch."""
     return str(capture(depth + 1))

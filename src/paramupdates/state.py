@@ -53,6 +53,11 @@ class Local(threading.local):
         """The view of the targets while this thread recomputes a checkpointed segment (replay,
         rule 3). Its journals are those live when the segment's forward ran, in whichever thread:
         autograd may recompute in one of its device threads."""
+        self.applied: tuple[Any, list[Any]] | None = None
+        """``(optimizer, rules)``: the commit that runs this thread's next ``optimizer.step()`` and the
+        rules it applies (``accounting``: the global optimizer hook warns about the others)."""
+        self.optimizer_depth = 0
+        """How many ``optimizer.step()`` calls of this thread are running (nested: a subclass's ``super().step()``)."""
         self.eager_log: EagerLogLike | None = None
         """The innermost checkpointed segment whose forward this thread runs outside a step: it
         notes the entry values of what it writes eagerly, for its recomputation."""
@@ -63,6 +68,8 @@ class Local(threading.local):
         del self.conditions[1:]
         self.conditions[0] = None
         self.replay = None
+        self.applied = None
+        self.optimizer_depth = 0
         self.eager_log = None
 
 
@@ -102,6 +109,12 @@ class Process:
         self.rule_roots: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         """A module a rule follows its tensors in -> the rules (a ``weakref.WeakSet``): when the module is
         replaced in its parent, they follow the new one by name (``guards.on_module_registration``)."""
+        self.optimizer_watch: Any = None
+        """The handle of the global optimizer step post-hook (``accounting.watch``), once a rule was declared."""
+        self.warned: weakref.WeakSet[Any] = weakref.WeakSet()
+        """Rules already warned about as left out of an optimizer step (``accounting``: once per rule)."""
+        self.covering: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+        """optimizer -> ``(key, [(rule, its tensors the optimizer steps)])`` (``accounting``)."""
         self.structure = 0
         """Bumped whenever a module of an indexed model gets a parameter, buffer or submodule through
         torch's registration paths (assignment, ``register_*``, ``add_module``, ``load_state_dict(assign=True)``,
@@ -136,6 +149,8 @@ class Process:
         self.ema_copies = weakref.WeakKeyDictionary()
         self.rule_roots = weakref.WeakKeyDictionary()
         self.graveyard.clear()
+        self.warned = weakref.WeakSet()
+        self.covering = weakref.WeakKeyDictionary()
         self.unbound = 0
         self.rules_dead = False
         self.materialized = WeakIdKeyDictionary()

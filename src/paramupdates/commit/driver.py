@@ -46,7 +46,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
-from .. import hooks, overlay, routing, sharding
+from .. import accounting, hooks, overlay, routing, sharding
 from ..errors import UpdateError, listed
 from ..ops import apply_op
 from ..phases import AFTER_OPTIMIZER, AFTER_STEP, AUXILIARY, BEFORE_GRAD, GRAD, PHASES
@@ -181,6 +181,8 @@ class Commit:
             # rules that belong to the gradient update run once per real optimizer update (read-your-writes, rule 1)
             rules = [r for r in rules if not r.per_optimizer_update]
         self.rules = rules
+        if self.optimizer is not None:
+            accounting.applied(self.optimizer, rules)  # (rule 12: the optimizer step's rules are these)
         by_phase: dict[str, list[Rule]] = {}
         for r in rules:
             by_phase.setdefault(r.phase, []).append(r)

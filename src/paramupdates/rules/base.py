@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import hooks, sharding, state
+from .. import accounting, hooks, sharding, state
 from ..errors import UpdateError, listed
 from ..origin import call_site
 from ..phases import BEFORE_GRAD
@@ -273,6 +273,7 @@ def register(rule: Rule) -> Rule:
     notebook cell) replaces, it never applies a rule twice. The same rule again (same kind, same
     tensors, equal :meth:`Rule.settings`) takes the earlier one's place in the order, quietly."""
     purge()
+    accounting.watch()  # (an optimizer step that leaves a rule out is warned about from now on)
     registry = state.process.rules
     key = rule.same_kind()
     if key is not None:

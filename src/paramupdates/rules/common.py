@@ -375,6 +375,12 @@ class OnTensorList:
     def held_tensors_only(self) -> bool:
         return self._tensors.names is None
 
+    def names_of(self, ids: set[int]) -> list[str]:
+        """The covered tensors whose ``id()`` is in ``ids``, by their qualified names where the rule follows
+        them in a module (else as declared)."""
+        names = self._tensors.names or self.names
+        return [n for n, t in zip(names, self._tensors.current()) if t is not None and id(t) in ids]
+
     def keep_except(self, ids: set[int]) -> list[int]:
         """Keep the tensors whose ``id()`` is not in ``ids``; the positions kept (the plan is made again)."""
         keep = [i for i, t in enumerate(self._tensors.current()) if t is None or id(t) not in ids]

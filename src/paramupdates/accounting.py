@@ -1,0 +1,124 @@
+"""Declared rules that no step applies: a warning at the optimizer step that leaves them out (rule 12).
+
+A declared rule (``pu.weight_decay``, ``pu.constrain``, ``pu.ema``, a ``pu.Rule``) runs inside a
+commit: a ``pu.step(model, optimizer)`` block, or ``optimizer.step()`` of an optimizer attached with
+``pu.attach(model, optimizer)``. An ``optimizer.step()`` that updates tensors a rule covers, with no such
+commit around it, leaves the rule out: the user forgot ``pu.attach``, or stepped the optimizer outside a
+``pu.step(model)`` opened without it. The user believes the rule runs; it does not.
+
+torch has a global hook for exactly this (``torch.optim.optimizer.register_optimizer_step_post_hook``):
+:func:`watch` registers it when the first rule is declared, so that a program that declares no rule pays
+nothing. The hook compares what the commit of this optimizer step ran (:func:`applied`, told by the
+commit) with the rules that cover a tensor the optimizer stepped (one with a gradient), and warns once
+per rule with :class:`~paramupdates.AccountingWarning`, naming the rule, its declaration site, the
+tensors, the ``optimizer.step()`` call and the fix.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from . import state
+from .errors import AccountingWarning, UpdateError, listed
+from .origin import call_site, user_stacklevel
+
+
+def watch() -> None:
+    """Register the global optimizer step post-hook (once; called when a rule is declared)."""
+    p = state.process
+    if p.optimizer_watch is None:
+        p.optimizer_watch = (
+            register_optimizer_step_pre_hook(_before_step),
+            register_optimizer_step_post_hook(_after_step),
+        )
+
+
+def applied(optimizer: Any, rules: list[Any]) -> None:
+    """The commit that runs ``optimizer``'s next step in this thread applies ``rules`` (and is the one to
+    answer for the rules that cover its tensors)."""
+    state.local.applied = (optimizer, rules)
+
+
+def _unwrapped(optimizer: Any) -> list[Any]:
+    """``optimizer`` and the optimizers it wraps (``.optimizer``: accelerate's, Lightning's)."""
+    out = [optimizer]
+    inner = getattr(optimizer, "optimizer", None)
+    while inner is not None and inner not in out and len(out) < 8:
+        out.append(inner)
+        inner = getattr(inner, "optimizer", None)
+    return out
+
+
+def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Global optimizer step pre-hook: count nested steps (an optimizer subclass calling ``super().step()``
+    runs the hooks twice), so that the commit's rules are forgotten after the outermost one."""
+    state.local.optimizer_depth += 1
+
+
+def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Global optimizer step post-hook: warn about every rule that covers a tensor this step updated and
+    that no commit applied (once per rule)."""
+    p, local = state.process, state.local
+    done = local.applied
+    local.optimizer_depth = max(local.optimizer_depth - 1, 0)
+    if not local.optimizer_depth:
+        local.applied = None
+    if not p.rules:
+        return
+    ran = done[1] if done is not None and any(o is optimizer for o in _unwrapped(done[0])) else ()
+    for rule, tensors in _covering(optimizer):
+        if rule in ran or rule in p.warned or rule.removed:
+            continue
+        stepped = [t for t in tensors if t.grad is not None]
+        if stepped:
+            p.warned.add(rule)
+            _warn(rule, stepped, optimizer, done is not None)
+
+
+def _covering(optimizer: Any) -> list[tuple[Any, list[torch.Tensor]]]:
+    """The declared rules that cover tensors of ``optimizer``'s param groups, with those tensors (kept per
+    optimizer until a rule, the structure of a model or the groups change)."""
+    p = state.process
+    groups = optimizer.param_groups
+    key = (p.rules_version, p.structure, len(groups), sum(len(g["params"]) for g in groups))
+    hit = p.covering.get(optimizer)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    ids = {id(t) for g in groups for t in g["params"]}
+    out = []
+    for rule in p.rules:
+        if not rule.per_optimizer_update or not rule.alive():
+            continue  # (a rule whose module was collected applies to nothing: it is dropped)
+        try:
+            rule.resync()  # (followed by name: what its module holds now)
+        except UpdateError:
+            continue  # (it cannot follow its tensors: its model's next commit raises, naming it)
+        tensors = [t for t in rule.owner_tensors() if id(t) in ids]
+        if tensors:
+            out.append((rule, tensors))
+    p.covering[optimizer] = (key, out)
+    return out
+
+
+def _warn(rule: Any, stepped: list[torch.Tensor], optimizer: Any, other_commit: bool) -> None:
+    name = type(optimizer).__name__
+    shown = listed(list(map(repr, rule.names_of({id(t) for t in stepped}))), 3)
+    why = (
+        "the step in progress is another model's, which does not hold them"
+        if other_commit
+        else "no pu.step(model, optimizer) block or pu.attach(model, optimizer) applied it"
+    )
+    warnings.warn(
+        f"{rule.describe()} declared at {rule.origin} did not run: {name}.step() at {call_site(2)} updated "
+        f"{shown}, which it covers, but {why}. Declared rules run in the commit of a step of the model "
+        "that holds their tensors: call pu.attach(model, optimizer) once before training (an unchanged loop "
+        "then commits inside optimizer.step()), or step inside `with pu.step(model, optimizer):`, whose "
+        "commit calls optimizer.step() (a pu.step(model) opened without its optimizer runs no rule of the "
+        "gradient update). Warned once per rule.",
+        AccountingWarning,
+        stacklevel=user_stacklevel(),
+    )

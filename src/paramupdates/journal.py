@@ -6,6 +6,8 @@ condition, phase, origin) on the :class:`Entry` of its target. The target's
 pending value is computed out of place (``ops.apply_op``) and shown to later
 reads (``overlay``): read-your-writes in program order (rule 1). No storage
 is written (deferred commit, rule 2): saved tensors stay valid, version counters do not move.
+The record keeps the operands as issued (``ops.as_issued``: a tensor the user writes later, or
+that the optimizer steps, changes nothing the commit computes, rule 12).
 
 While a checkpointed segment is recomputed (``state.local.replay``), an update
 issued again moves only the replay's view and is not recorded (rule 3).
@@ -23,7 +25,7 @@ import torch
 from . import hooks, overlay, sharding, state
 from .errors import AmbiguousOrderError, UpdateError
 from .lookup import EAGER, Lookup
-from .ops import apply_op, check_operand
+from .ops import apply_op, as_issued, check_operand
 from .phases import AUXILIARY, ISSUE_PHASES, RECORD_PHASES
 from .records import Entry, Issued, Record, Row
 from .targets import ModelIndex
@@ -266,20 +268,16 @@ class Journal:
             support.check_update(self, e, f"pu.{op}", origin)  # sharding hook: FSDP's temporary parameters
         cond = _local.conditions[-1]
         pred = cond if isinstance(cond, torch.Tensor) else None
+        issued = operand
+        if new is None and not fresh:
+            operand, key, issued = self._issued_operands(e, op, operand, key, origin, support, how)
+        old = overlay.plain(e.current() if replay is None else replay.current(self, e))  # (current_of, inlined)
         if new is not None:
             if pred is not None:
-                new = torch.where(pred, new, overlay.plain(self.current_of(e)))
+                new = torch.where(pred, new, old)
         else:
-            if not fresh:
-                check_operand(op, e.target, operand, key, e.name, origin)
-                if e.sharded and support is not None:
-                    operand = support.operand(e, operand, f"pu.{op}", origin)  # sharding hook: laid out like e
-                if isinstance(operand, torch.Tensor):
-                    operand = self.read(operand, how)
-                    if not e.trainable:
-                        operand = operand.detach()
-            old = e.current() if replay is None else replay.current(self, e)  # (current_of, inlined)
-            new = apply_op(op, overlay.plain(old), operand, key, pred, fresh)
+            # (an assign's issued operand is its copy, cast: the pending value without a second copy)
+            new = apply_op(op, old, issued if op == "assign" else operand, key, pred, True)
             if not e.trainable:
                 new = new.detach()
         if e.sharded and support is not None:
@@ -287,7 +285,30 @@ class Journal:
         if replay is not None:
             replay.set_value(self, e, new)  # issued again by a recomputation: only its view moves
             return
-        self._store(e, Record(op, operand, key, pred, phase, sync, origin), new, how)
+        self._store(e, Record(op, issued, key, pred, phase, sync, origin), new, how)
+
+    def _issued_operands(
+        self,
+        e: Entry,
+        op: str,
+        operand: Any,
+        key: Any,
+        origin: Any,
+        support: Any,
+        how: Lookup,
+    ) -> tuple[Any, Any, Any]:
+        """A user's update of ``e``: its operand checked and read as the step sees it (a pending value
+        is read, not the stored one), and the operands as issued (``ops.as_issued``):
+        ``(operand, key, issued operand)``; the key returned is the issued one."""
+        check_operand(op, e.target, operand, key, e.name, origin)
+        if e.sharded and support is not None:
+            operand = support.operand(e, operand, f"pu.{op}", origin)  # sharding hook: laid out like e
+        if isinstance(operand, torch.Tensor):
+            operand = self.read(operand, how)
+            if not e.trainable:
+                operand = operand.detach()
+        issued, key = as_issued(op, operand, key, e.target.dtype)
+        return operand, key, issued
 
     @staticmethod
     def _refuse_in_backward(name: str, op: str, origin: Any) -> None:

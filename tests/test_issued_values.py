@@ -5,6 +5,8 @@
   written by a rule before its phase, a target updated in two phases). A scratch tensor the user
   writes after issuing, or a view of a parameter the optimizer steps in the same commit, changes
   nothing.
+* An update of a trainable parameter issued under ``torch.no_grad()`` leaves it trainable, as an
+  in-place write under ``no_grad`` does in plain PyTorch (later reads pass the gradient straight through).
 
 Each test compares with plain eager PyTorch running the same formula, bitwise.
 """
@@ -17,7 +19,7 @@ from torch import nn
 
 import paramupdates as pu
 
-from conftest import assert_same, snapshot
+from conftest import assert_same, bits, snapshot
 
 LR = 0.1
 
@@ -141,3 +143,54 @@ def test_a_condition_tensor_written_after_issuing_changes_nothing():
     with torch.no_grad():
         ref.bias.copy_(torch.where(torch.tensor(True), torch.zeros(2), ref.bias))
     assert_same(snapshot(ref), snapshot(m))
+
+
+# --- updates of a trainable parameter under no_grad --------------------------------------------------------
+class _Renormed(nn.Module):
+    """A weight renormalised before use: ``how`` is ``"pu.Parameter"``, ``"nn.Parameter+pu.read"`` (an
+    ``nn.Parameter`` read through ``pu.read``) or ``"plain"`` (plain PyTorch's reference)."""
+
+    def __init__(self, how: str, w: torch.Tensor):
+        super().__init__()
+        self.how = how
+        self.w = pu.Parameter(w.clone()) if how == "pu.Parameter" else nn.Parameter(w.clone())
+
+    def forward(self, x):
+        w = pu.read(self.w) if self.how == "nn.Parameter+pu.read" else self.w
+        return (x @ w.t()).tanh()
+
+
+def _renorm_pu(m, flag):
+    """The renormalise-before-use idiom, under a tensor condition, and a second update after it."""
+    with torch.no_grad():
+        with pu.when(flag):
+            pu.assign(m.w, pu.read(m.w) / pu.read(m.w).norm(), phase="before_grad")
+        pu.assign(m.w, pu.read(m.w).clamp(-0.5, 0.5), phase="before_grad")  # (reads the first)
+
+
+def _renorm_plain(ref, flag):
+    """The same, as plain PyTorch writes it: in place under ``no_grad`` (the leaf stays trainable)."""
+    with torch.no_grad():
+        ref.w.copy_(torch.where(flag, ref.w / ref.w.norm(), ref.w))
+        ref.w.clamp_(-0.5, 0.5)
+
+
+@pytest.mark.parametrize("how", ["pu.Parameter", "nn.Parameter+pu.read"])
+def test_an_update_under_no_grad_keeps_the_parameter_trainable(how):
+    w = torch.randn(2, 3)
+    m, ref = _Renormed(how, w), _Renormed("plain", w)
+    opt = torch.optim.SGD(m.parameters(), lr=LR, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
+    for flag in (True, False, True):
+        x = torch.randn(4, 3)
+        with pu.step(m, opt):
+            _renorm_pu(m, torch.tensor(flag))
+            m(x).square().mean().backward()
+        _renorm_plain(ref, torch.tensor(flag))
+        ref(x).square().mean().backward()
+        ref_opt.step()
+        assert m.w.grad is not None, "the parameter got no gradient"
+        assert torch.equal(bits(m.w.grad), bits(ref.w.grad))
+        assert torch.equal(bits(pu.read(m.w)), bits(ref.w))
+        opt.zero_grad()
+        ref_opt.zero_grad()

@@ -7,7 +7,8 @@ pending value is computed out of place (``ops.apply_op``) and shown to later
 reads (``overlay``): read-your-writes in program order (rule 1). No storage
 is written (deferred commit, rule 2): saved tensors stay valid, version counters do not move.
 The record keeps the operands as issued (``ops.as_issued``: a tensor the user writes later, or
-that the optimizer steps, changes nothing the commit computes, rule 12).
+that the optimizer steps, changes nothing the commit computes, rule 12). A pending value made
+with autograd off is what later reads can use (:meth:`Journal._made_without_grad`).
 
 While a checkpointed segment is recomputed (``state.local.replay``), an update
 issued again moves only the replay's view and is not recorded (rule 3).
@@ -25,7 +26,7 @@ import torch
 from . import hooks, overlay, sharding, state
 from .errors import AmbiguousOrderError, UpdateError
 from .lookup import EAGER, Lookup
-from .ops import apply_op, as_issued, check_operand
+from .ops import apply_op, as_issued, check_operand, overwritten
 from .phases import AUXILIARY, ISSUE_PHASES, RECORD_PHASES
 from .records import Entry, Issued, Record, Row
 from .targets import ModelIndex
@@ -282,10 +283,25 @@ class Journal:
                 new = new.detach()
         if e.sharded and support is not None:
             new = support.conform(e, new)  # sharding hook: the pending value's local shard is the target's
+        if not torch.is_grad_enabled():  # no_grad: the value as later reads use it
+            new = self._made_without_grad(e, new, how)
         if replay is not None:
             replay.set_value(self, e, new)  # issued again by a recomputation: only its view moves
             return
         self._store(e, Record(op, issued, key, pred, phase, sync, origin), new, how)
+
+    def _made_without_grad(self, e: Entry, new: torch.Tensor, how: Lookup) -> torch.Tensor:
+        """``e``'s pending value ``new``, made with autograd off, as the step's later reads use it.
+
+        * For a trainable target it passes the gradient to the value it replaces (``ops.overwritten``:
+          the identity, as an in-place write under ``no_grad`` leaves a leaf parameter trainable), which
+          passes it on to the parameter; under ``pu.when(tensor)`` and after earlier updates alike.
+        """
+        if not e.trainable:
+            return new
+        with torch.enable_grad():
+            old = overlay.plain(self.current_of(e))  # (a view made with grad on: it carries the gradient)
+            return overwritten(new, old) if old.requires_grad else new
 
     def _issued_operands(
         self,

@@ -7,6 +7,8 @@
   nothing.
 * An update of a trainable parameter issued under ``torch.no_grad()`` leaves it trainable, as an
   in-place write under ``no_grad`` does in plain PyTorch (later reads pass the gradient straight through).
+* An update issued under ``torch.inference_mode()`` leaves a normal tensor pending: the step's next
+  training forward trains as plain PyTorch does.
 
 Each test compares with plain eager PyTorch running the same formula, bitwise.
 """
@@ -194,3 +196,58 @@ def test_an_update_under_no_grad_keeps_the_parameter_trainable(how):
         assert torch.equal(bits(pu.read(m.w)), bits(ref.w))
         opt.zero_grad()
         ref_opt.zero_grad()
+
+
+# --- updates under inference_mode --------------------------------------------------------------------------
+class _Scaled(nn.Module):
+    """A linear layer whose output is multiplied by a buffer refreshed in train mode (the product
+    saves the buffer for backward), through ``pu.assign``; ``plain``: in place, as plain PyTorch does."""
+
+    def __init__(self, plain: bool):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.ones(4))
+        self.plain = plain
+
+    def forward(self, x):
+        y = self.lin(x)
+        # saves the value the rollout left pending (plain PyTorch: a clone, as it writes in place below)
+        out = y * (self.scale.clone() if self.plain else self.scale)
+        if self.training:
+            new = 0.9 * self.scale + 0.1 * y.detach().abs().mean(0)
+            if self.plain:
+                with torch.no_grad():
+                    self.scale.copy_(new)
+            else:
+                pu.assign(self.scale, new)
+        return out
+
+
+def _net():
+    return nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(), _Scaled(True), nn.Linear(4, 1))
+
+
+def test_updates_under_inference_mode_leave_normal_tensors_pending():
+    """Rollouts under ``inference_mode`` in train mode (one: the batch norm's row fast path; two: the
+    second takes the general path), then a training forward, backward and ``opt.step()``. The
+    training forward saves for backward what the rollouts left pending: the buffer of ``_Scaled``
+    (``pu.assign``), and the running statistics where the batch norm is frozen (eval)."""
+    ref = _net()
+    net = pu.convert(copy.deepcopy(ref))
+    net[3].plain = False
+    assert isinstance(net[1], pu.nn.BatchNorm1d)
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    pu.attach(net, opt)
+    for n_rollouts, frozen in ((1, True), (2, True), (1, False)):
+        rollouts, x = [torch.randn(5, 3) for _ in range(n_rollouts)], torch.randn(5, 3)
+        for model, o in ((ref, ref_opt), (net, opt)):
+            model.train()
+            with torch.inference_mode():
+                for r in rollouts:
+                    model(r)
+            model[1].train(not frozen)
+            model(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+        assert_same(snapshot(ref), snapshot(net))

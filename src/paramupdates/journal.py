@@ -19,6 +19,7 @@ The journal is written by the recording path and read by the commit
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ import torch
 from . import hooks, overlay, sharding, state
 from .errors import AmbiguousOrderError, UpdateError
 from .lookup import EAGER, Lookup
-from .ops import apply_op, as_issued, check_operand, overwritten
+from .ops import apply_op, as_issued, check_operand, normal, overwritten
 from .phases import AUXILIARY, ISSUE_PHASES, RECORD_PHASES
 from .records import Entry, Issued, Record, Row
 from .targets import ModelIndex
@@ -283,7 +284,7 @@ class Journal:
                 new = new.detach()
         if e.sharded and support is not None:
             new = support.conform(e, new)  # sharding hook: the pending value's local shard is the target's
-        if not torch.is_grad_enabled():  # no_grad: the value as later reads use it
+        if not torch.is_grad_enabled():  # no_grad or inference_mode: the value as later reads use it
             new = self._made_without_grad(e, new, how)
         if replay is not None:
             replay.set_value(self, e, new)  # issued again by a recomputation: only its view moves
@@ -293,13 +294,18 @@ class Journal:
     def _made_without_grad(self, e: Entry, new: torch.Tensor, how: Lookup) -> torch.Tensor:
         """``e``'s pending value ``new``, made with autograd off, as the step's later reads use it.
 
+        * Under ``torch.inference_mode()`` it becomes a normal tensor (``ops.normal``): a later
+          training forward may save it for backward.
         * For a trainable target it passes the gradient to the value it replaces (``ops.overwritten``:
           the identity, as an in-place write under ``no_grad`` leaves a leaf parameter trainable), which
           passes it on to the parameter; under ``pu.when(tensor)`` and after earlier updates alike.
         """
+        inference = not how.traced and torch.is_inference_mode_enabled()
+        if inference:
+            new = normal(new)
         if not e.trainable:
             return new
-        with torch.enable_grad():
+        with torch.inference_mode(False) if inference else contextlib.nullcontext(), torch.enable_grad():
             old = overlay.plain(self.current_of(e))  # (a view made with grad on: it carries the gradient)
             return overwritten(new, old) if old.requires_grad else new
 
@@ -358,12 +364,15 @@ class Journal:
             self._refuse_in_backward(items[0][0].name, "assign", origin)
         cond = _local.conditions[-1]
         pred = cond if isinstance(cond, torch.Tensor) else None
+        inference = not how.traced and torch.is_inference_mode_enabled()
         for e, op, operand, new in items:
             if e.trainable or sync is not None or e.sync is not None:
                 self.record(e, op, operand, None, None, sync, origin, True, how, new)  # the general path
                 continue
             if pred is not None:
                 new = torch.where(pred, new, overlay.plain(self.current_of(e)))
+            if inference:
+                new = normal(new)  # (see _made_without_grad)
             if replay is not None:
                 replay.set_value(self, e, new)
             else:
@@ -414,11 +423,14 @@ class Journal:
         dst, src = self.row_dst, self.row_src
         i = len(self.rows)
         ids = None if how.traced else self.row_ids  # (eager: Lookup.rowed, inlined)
+        inference = ids is not None and torch.is_inference_mode_enabled()
         for (t, op, operand, new), info in zip(updates, infos):
             if new.requires_grad:
                 new = new.detach()
             if pred is not None:
                 new = torch.where(pred, new, t)
+            if inference:
+                new = normal(new)  # (see _made_without_grad)
             if ids is None:
                 how.rowed(self, t, new, i)
             else:

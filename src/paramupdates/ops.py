@@ -14,8 +14,9 @@ A condition ``pred`` (a 0-dim bool tensor) gives ``new = where(pred, new, old)``
 A recorded update keeps its operands *as issued* (:func:`as_issued`): the commit may fold the
 update again over the value its phase finds, and must compute it from the values the update had
 when it was issued, not from a tensor written since (a scratch buffer the user reuses, a view of a
-parameter the optimizer steps). A pending value of a trainable target made under ``no_grad``
-passes its gradient to the value it replaced (:func:`overwritten`).
+parameter the optimizer steps). A pending value made under ``torch.inference_mode()`` is made a
+normal tensor (:func:`normal`); one of a trainable target made under ``no_grad`` passes its
+gradient to the value it replaced (:func:`overwritten`).
 """
 
 from __future__ import annotations
@@ -97,6 +98,13 @@ class _Overwritten(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:  # noqa: D102
         return None, grad
+
+
+def normal(new: torch.Tensor) -> torch.Tensor:
+    """A value computed under ``torch.inference_mode()`` as a normal tensor (a clone made outside
+    it), which autograd may save for backward."""
+    with torch.inference_mode(False):
+        return new.clone()
 
 
 def overwritten(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:

@@ -615,3 +615,47 @@ def test_referents_compare_by_identity_when_traced_as_in_eager():
         assert fn(Referents([a, b]), Referents([a, b])) == (True, True, False)
         assert fn(Referents([a, b]), Referents([b, a]))[0] is False
         assert fn(dead_x, dead_y)[0] is False
+
+
+class _Renormed(nn.Module):
+    """A weight renormalised under ``no_grad`` before its use in the same forward (``how``:
+    ``"pu.Parameter"``, ``"nn.Parameter+pu.read"``, or ``"plain"``: in place, plain PyTorch)."""
+
+    def __init__(self, how, w):
+        super().__init__()
+        self.how = how
+        self.w = pu.Parameter(w.clone()) if how == "pu.Parameter" else nn.Parameter(w.clone())
+
+    def forward(self, x):
+        with torch.no_grad():
+            if self.how == "plain":
+                self.w.div_(self.w.norm())
+            else:
+                w = pu.read(self.w)
+                pu.assign(self.w, w / w.norm(), phase="before_grad")
+        w = self.w if self.how != "nn.Parameter+pu.read" else pu.read(self.w)
+        return (x @ w.t()).tanh()
+
+
+@pytest.mark.parametrize("how", ["pu.Parameter", "nn.Parameter+pu.read"])
+def test_an_update_under_no_grad_in_a_compiled_forward_keeps_the_parameter_trainable(how):
+    """The renormalise-before-use idiom in a compiled forward: the parameter gets the gradient of its
+    use straight through the update (docs/design.md, "Updates issued with autograd off"), gradients
+    and parameters bitwise plain PyTorch's. (A ``pu.Parameter`` read under ``no_grad`` breaks the
+    graph, so that one compiles without ``fullgraph``: the pending value then enters the next graph
+    as an input.)"""
+    w = torch.randn(2, 3)
+    m, ref = _Renormed(how, w), _Renormed("plain", w)
+    fwd = torch.compile(m, fullgraph=how != "pu.Parameter", backend="aot_eager")
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(3):
+        x = torch.randn(4, 3)
+        with pu.step(m, opt):
+            fwd(x).square().mean().backward()
+        ref(x).square().mean().backward()
+        ref_opt.step()
+        assert m.w.grad is not None and torch.equal(m.w.grad, ref.w.grad)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    assert_same(snapshot(ref), snapshot(m))

@@ -10,6 +10,11 @@ Rule 6 of ``docs/design.md``. Inside ``with pu.when(pred):``
 
 Nested ``when`` blocks AND together (``pred_outer & pred_inner``); a ``False``
 anywhere in the nest records nothing.
+
+A tensor ``pred`` is read when the block is entered (the block holds its own copy, as a nested
+block holds the AND it computed): a flag tensor the user writes later, while the updates of the
+block are still pending, does not change what they commit (rule 12: with the value they had when
+issued).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ def _combine(outer: bool | torch.Tensor | None, pred: bool | torch.Tensor) -> bo
     if pred is True:
         return outer
     if outer is None:
-        return pred
+        return pred.clone()  # (the user's tensor, read now: see the module docstring)
     return torch.logical_and(outer, pred)
 
 

@@ -6,6 +6,9 @@ condition, phase, origin) on the :class:`Entry` of its target. The target's
 pending value is computed out of place (``ops.apply_op``) and shown to later
 reads (``overlay``): read-your-writes in program order (rule 1). No storage
 is written (deferred commit, rule 2): saved tensors stay valid, version counters do not move.
+The record keeps the operands as issued (``ops.as_issued``: a tensor the user writes later, or
+that the optimizer steps, changes nothing the commit computes, rule 12). A pending value made
+with autograd off is what later reads can use (:meth:`Journal._made_without_grad`).
 
 While a checkpointed segment is recomputed (``state.local.replay``), an update
 issued again moves only the replay's view and is not recorded (rule 3).
@@ -16,6 +19,7 @@ The journal is written by the recording path and read by the commit
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -23,7 +27,7 @@ import torch
 from . import hooks, overlay, sharding, state
 from .errors import AmbiguousOrderError, UpdateError
 from .lookup import EAGER, Lookup
-from .ops import apply_op, check_operand
+from .ops import apply_op, as_issued, check_operand, normal, overwritten
 from .phases import AUXILIARY, ISSUE_PHASES, RECORD_PHASES
 from .records import Entry, Issued, Record, Row
 from .targets import ModelIndex
@@ -266,28 +270,67 @@ class Journal:
             support.check_update(self, e, f"pu.{op}", origin)  # sharding hook: FSDP's temporary parameters
         cond = _local.conditions[-1]
         pred = cond if isinstance(cond, torch.Tensor) else None
+        issued = operand
+        if new is None and not fresh:
+            operand, key, issued = self._issued_operands(e, op, operand, key, origin, support, how)
+        old = overlay.plain(e.current() if replay is None else replay.current(self, e))  # (current_of, inlined)
         if new is not None:
             if pred is not None:
-                new = torch.where(pred, new, overlay.plain(self.current_of(e)))
+                new = torch.where(pred, new, old)
         else:
-            if not fresh:
-                check_operand(op, e.target, operand, key, e.name, origin)
-                if e.sharded and support is not None:
-                    operand = support.operand(e, operand, f"pu.{op}", origin)  # sharding hook: laid out like e
-                if isinstance(operand, torch.Tensor):
-                    operand = self.read(operand, how)
-                    if not e.trainable:
-                        operand = operand.detach()
-            old = e.current() if replay is None else replay.current(self, e)  # (current_of, inlined)
-            new = apply_op(op, overlay.plain(old), operand, key, pred, fresh)
+            # (an assign's issued operand is its copy, cast: the pending value without a second copy)
+            new = apply_op(op, old, issued if op == "assign" else operand, key, pred, True)
             if not e.trainable:
                 new = new.detach()
         if e.sharded and support is not None:
             new = support.conform(e, new)  # sharding hook: the pending value's local shard is the target's
+        if not torch.is_grad_enabled():  # no_grad or inference_mode: the value as later reads use it
+            new = self._made_without_grad(e, new, how)
         if replay is not None:
             replay.set_value(self, e, new)  # issued again by a recomputation: only its view moves
             return
-        self._store(e, Record(op, operand, key, pred, phase, sync, origin), new, how)
+        self._store(e, Record(op, issued, key, pred, phase, sync, origin), new, how)
+
+    def _made_without_grad(self, e: Entry, new: torch.Tensor, how: Lookup) -> torch.Tensor:
+        """``e``'s pending value ``new``, made with autograd off, as the step's later reads use it.
+
+        * Under ``torch.inference_mode()`` it becomes a normal tensor (``ops.normal``): a later
+          training forward may save it for backward.
+        * For a trainable target it passes the gradient to the value it replaces (``ops.overwritten``:
+          the identity, as an in-place write under ``no_grad`` leaves a leaf parameter trainable), which
+          passes it on to the parameter; under ``pu.when(tensor)`` and after earlier updates alike.
+        """
+        inference = not how.traced and torch.is_inference_mode_enabled()
+        if inference:
+            new = normal(new)
+        if not e.trainable:
+            return new
+        with torch.inference_mode(False) if inference else contextlib.nullcontext(), torch.enable_grad():
+            old = overlay.plain(self.current_of(e))  # (a view made with grad on: it carries the gradient)
+            return overwritten(new, old) if old.requires_grad else new
+
+    def _issued_operands(
+        self,
+        e: Entry,
+        op: str,
+        operand: Any,
+        key: Any,
+        origin: Any,
+        support: Any,
+        how: Lookup,
+    ) -> tuple[Any, Any, Any]:
+        """A user's update of ``e``: its operand checked and read as the step sees it (a pending value
+        is read, not the stored one), and the operands as issued (``ops.as_issued``):
+        ``(operand, key, issued operand)``; the key returned is the issued one."""
+        check_operand(op, e.target, operand, key, e.name, origin)
+        if e.sharded and support is not None:
+            operand = support.operand(e, operand, f"pu.{op}", origin)  # sharding hook: laid out like e
+        if isinstance(operand, torch.Tensor):
+            operand = self.read(operand, how)
+            if not e.trainable:
+                operand = operand.detach()
+        issued, key = as_issued(op, operand, key, e.target.dtype)
+        return operand, key, issued
 
     @staticmethod
     def _refuse_in_backward(name: str, op: str, origin: Any) -> None:
@@ -321,12 +364,15 @@ class Journal:
             self._refuse_in_backward(items[0][0].name, "assign", origin)
         cond = _local.conditions[-1]
         pred = cond if isinstance(cond, torch.Tensor) else None
+        inference = not how.traced and torch.is_inference_mode_enabled()
         for e, op, operand, new in items:
             if e.trainable or sync is not None or e.sync is not None:
                 self.record(e, op, operand, None, None, sync, origin, True, how, new)  # the general path
                 continue
             if pred is not None:
                 new = torch.where(pred, new, overlay.plain(self.current_of(e)))
+            if inference:
+                new = normal(new)  # (see _made_without_grad)
             if replay is not None:
                 replay.set_value(self, e, new)
             else:
@@ -377,11 +423,14 @@ class Journal:
         dst, src = self.row_dst, self.row_src
         i = len(self.rows)
         ids = None if how.traced else self.row_ids  # (eager: Lookup.rowed, inlined)
+        inference = ids is not None and torch.is_inference_mode_enabled()
         for (t, op, operand, new), info in zip(updates, infos):
             if new.requires_grad:
                 new = new.detach()
             if pred is not None:
                 new = torch.where(pred, new, t)
+            if inference:
+                new = normal(new)  # (see _made_without_grad)
             if ids is None:
                 how.rowed(self, t, new, i)
             else:

@@ -10,6 +10,13 @@ never writes storage (deferred commit, rule 2) and the same function serves the 
 * ``assign_key``:  ``new = old.clone(); new[key] = operand``
 
 A condition ``pred`` (a 0-dim bool tensor) gives ``new = where(pred, new, old)``.
+
+A recorded update keeps its operands *as issued* (:func:`as_issued`): the commit may fold the
+update again over the value its phase finds, and must compute it from the values the update had
+when it was issued, not from a tensor written since (a scratch buffer the user reuses, a view of a
+parameter the optimizer steps). A pending value made under ``torch.inference_mode()`` is made a
+normal tensor (:func:`normal`); one of a trainable target made under ``no_grad`` passes its
+gradient to the value it replaced (:func:`overwritten`).
 """
 
 from __future__ import annotations
@@ -62,6 +69,51 @@ def _apply_op(
     if cond is not None:
         new = torch.where(cond, new, old)
     return new
+
+
+def as_issued(op: str, operand: Any, key: Any, dtype: torch.dtype) -> tuple[Any, Any]:
+    """``(operand, key)`` of an update as they are now, for its record: tensors copied (numbers are
+    immutable). An ``assign``'s operand is copied once, cast to the target's ``dtype``: it is also
+    the pending value (``apply_op(..., fresh=True)``), so ``assign`` costs one copy, as it always did;
+    the delta of ``assign_add``/``assign_sub`` and the value of ``assign_key`` cost one copy more
+    (detached: the fold runs under ``no_grad``), a tensor key one more."""
+    if isinstance(operand, torch.Tensor):
+        operand = operand.to(dtype=dtype, copy=True) if op == "assign" else operand.detach().clone()
+    if isinstance(key, torch.Tensor):
+        key = key.clone()
+    elif isinstance(key, tuple) and any(isinstance(k, torch.Tensor) for k in key):
+        key = tuple(k.clone() if isinstance(k, torch.Tensor) else k for k in key)
+    return operand, key
+
+
+class _Overwritten(torch.autograd.Function):
+    """``new`` with the gradient of ``old``: forward returns ``new``'s storage (bitwise, no copy),
+    backward passes the gradient to ``old`` unchanged (the identity, straight through)."""
+
+    @staticmethod
+    def forward(ctx: Any, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        # (detached: an input returned as is would become a view of it, which dynamo cannot trace)
+        return new.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:  # noqa: D102
+        return None, grad
+
+
+def normal(new: torch.Tensor) -> torch.Tensor:
+    """A value computed under ``torch.inference_mode()`` as a normal tensor (a clone made outside
+    it), which autograd may save for backward."""
+    with torch.inference_mode(False):
+        return new.clone()
+
+
+def overwritten(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """``new`` (bitwise: not ``old + (new - old).detach()``, which rounds) whose gradient goes to
+    ``old`` unchanged (``d new / d old = I``, straight through): what plain PyTorch's in-place write
+    under ``no_grad`` leaves of a leaf parameter, ``with torch.no_grad(): p.div_(p.norm())`` then
+    ``loss(p)`` giving ``p.grad = d loss / d p``."""
+    with torch.enable_grad():
+        return _Overwritten.apply(new, old)
 
 
 def apply_inplace(op: str, t: torch.Tensor, operand: Any, key: Any, cond: torch.Tensor | None) -> None:

@@ -24,6 +24,7 @@ _STATE_ATTRS = frozenset(
     {
         "grad",
         "_grad",
+        "grad_dtype",  # (dynamo reads it of a leaf it wraps: of the parameter, not of its pending value)
         "requires_grad",
         "is_leaf",
         "grad_fn",

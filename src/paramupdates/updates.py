@@ -17,6 +17,12 @@ Outside a step an update applies at once, in place, under ``torch.no_grad()``
 ``sync="mean"``/``"sum"`` all-reduces the pending value across the process
 group at commit (distributed sync, rule 9; outside a step, at once, over the default group).
 All return ``None``: read the target to see the new value.
+
+An update commits what it computes from its operands as they are when it is issued: a tensor
+operand, key or ``pu.when`` flag written later (a reused scratch tensor, a view of a parameter the
+optimizer steps) changes nothing (rule 12). Issued under ``torch.no_grad()``, an update of a
+trainable target leaves it trainable (the gradient of later reads passes straight through);
+issued under ``torch.inference_mode()``, it leaves a normal tensor pending.
 """
 
 from __future__ import annotations

@@ -567,7 +567,8 @@ class Commit:
                 val: torch.Tensor = e.target.detach() if e.sharded else raw  # a DTensor folds as one
                 for r in e.records:
                     if r.phase == phase:
-                        val = apply_op(r.op, val, r.operand, r.key, r.cond)
+                        # the operands as issued (ops.as_issued); val is never written: no copy of them
+                        val = apply_op(r.op, val, r.operand, r.key, r.cond, True)
                 raw.copy_(sharding.local(val) if e.sharded else val)  # shard onto shard (placed alike)
         dirty.update(map(id, in_phase))  # (ids of entries, not targets: see _flush_dirty)
         j.done_phases.add(phase)

@@ -1000,7 +1000,7 @@ def optimizer(opts: str | type | dict[str, Any] = "adam", **options: Unpack[Step
     Set ``epoch_end = paramupdates.returnn.epoch_end`` too: it commits what
     no ``optimizer.step()`` followed (the micro-batches of an incomplete
     accumulation), before RETURNN saves the model. ``**options`` (``on_nonfinite``,
-    ``check_finite``, ``copy_for_rollback``, ...): as for ``pu.attach``.
+    ``copy_for_rollback``, ``process_group``, ``sync_timeout``): as for ``pu.attach``.
 
     The returned dict sets ``param_groups_custom`` (RETURNN hands it the
     model); a ``param_groups_custom`` in ``opts`` is called from it, else

@@ -225,6 +225,11 @@ class Rule:
         """How messages name this kind of rule (``pu.weight_decay``, ``pu.constrain(max_norm)``, ...)."""
         return self.kind
 
+    def how_to_remove(self) -> str:
+        """How messages tell the user to undeclare this rule (what works with what its declaration
+        returned)."""
+        return "call .remove() on the rule object (what pu.weight_decay, pu.constrain and Rule.declare() return)"
+
     def rows(self, index: ModelIndex) -> list[ScheduleEntry]:
         """This rule's rows in ``schedule()`` (made when the schedule is shown)."""
         ts = self.tensors()
@@ -284,8 +289,8 @@ def register(rule: Rule) -> Rule:
             warnings.warn(
                 f"{rule.describe()} declared at {rule.origin} replaces the {old.describe()} declared at "
                 f"{old.origin} on {shown}: a rule of the same kind declared again on the same tensors "
-                "replaces the earlier declaration (it is never applied twice). Call .remove() on the "
-                "earlier rule first to silence this warning.",
+                "replaces the earlier declaration (it is never applied twice). To silence this warning, "
+                f"undeclare the earlier one first: {old.how_to_remove()}.",
                 UserWarning,
                 stacklevel=_user_stacklevel(),
             )
@@ -345,8 +350,8 @@ def rules_for(index: ModelIndex) -> list[Rule]:
             raise UpdateError(
                 f"{r.describe()} declared at {r.origin} applied to {type(model).__name__}, whose tensors it "
                 "covered are gone from the model (the module it was declared on was replaced or removed). Nothing "
-                "of this step was written. Declare the rule again on the model as it is now, or call .remove() "
-                "on it."
+                "of this step was written. Declare the rule again on the model as it is now, or undeclare it: "
+                f"{r.how_to_remove()}."
             )
     registry = state.process.rules
     for r in registry:
@@ -356,8 +361,8 @@ def rules_for(index: ModelIndex) -> list[Rule]:
             raise UpdateError(
                 f"{r.describe()} declared at {r.origin} covers {shown}, which {type(model).__name__} "
                 "no longer has under that name (a layer removed or renamed after the declaration). Nothing of "
-                "this step was written. Declare the rule again on the model as it is now, or call .remove() "
-                "on it."
+                "this step was written. Declare the rule again on the model as it is now, or undeclare it: "
+                f"{r.how_to_remove()}."
             )
     key = (state.process.rules_version, index.generation)
     if index.rules_key == key:

@@ -266,7 +266,8 @@ class EMA(Rule):
                     raise UpdateError(
                         f"pu.ema (declared at {self.origin}): the model has {name!r}, which its averaged copy has "
                         f"not (the model's {kind} changed after the declaration). Declare pu.ema again on the model "
-                        "as it is now (and .remove() the old one)."
+                        "as it is now, and undeclare this one: pu.rules.ema.rule_of(ema_copy).remove(), ema_copy "
+                        "being the averaged copy that pu.ema returned."
                     )
                 names.append(name)
                 src.append(t)
@@ -348,6 +349,10 @@ class EMA(Rule):
 
     def describe(self) -> str:
         return "pu.ema"
+
+    def how_to_remove(self) -> str:
+        # pu.ema returns the averaged copy, a module of the user's class: the rule is reached from it
+        return "pu.rules.ema.rule_of(ema_copy).remove(), ema_copy being the averaged copy that pu.ema returned"
 
     def names_of(self, ids: set[int]) -> list[str]:
         return [f"the {len(self.names)} tensors of {type(self._model()).__name__}"]
@@ -613,7 +618,8 @@ def ema(
     ``requires_grad``) to evaluate with. Tensors are bound at declaration:
     replacing a parameter or buffer object of ``model`` later (rather than
     writing it in place) is not followed. ``pu.rules.ema.rule_of(copy)`` is
-    the rule (``.updates``, ``.remove()``). ``foreach=False`` runs the
+    the rule: ``.updates`` (``t``), and ``.remove()``, which undeclares the
+    EMA (the copy stops being averaged). ``foreach=False`` runs the
     per-tensor reference path (``a.lerp_(p, 1 - d_t)`` pair by pair; bitwise the same result).
     """
     origin = call_site(2)

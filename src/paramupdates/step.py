@@ -1,8 +1,8 @@
 """One training step as a transaction: ``pu.step``, ``pu.Stepper``, ``pu.attach``.
 
 A step records the updates issued during it (``journal.Journal``) and commits
-them through one driver (``commit.Commit``) in the fixed phase order of rule 4
-(``docs/design.md``; ``phases.py``):
+them through one driver (``commit.Commit``) in the fixed phase order
+(``phases.py``):
 
 1. ``before_grad``: declared rules (weight decay), then updates issued with
    ``phase="before_grad"``, in declaration / issue order;
@@ -257,7 +257,17 @@ def step(
     the fixed phase order: ``before_grad`` (weight decay), ``optimizer.step()``, ``after_grad``
     (constraints), the auxiliary updates (statistics), ``after_step`` (EMA). An exception discards
     the step, leaving every parameter and buffer as it was. ``s.schedule()`` afterwards is the
-    committed plan. The arguments are :class:`Stepper`'s.
+    committed plan.
+
+    Args (:class:`Stepper`'s; each option in full: :class:`~paramupdates.options.StepOptions`):
+        model, optimizer: the module whose tensors may be targets; the optimizer the commit steps.
+        closure: for ``optimizer.step(closure)`` (LBFGS).
+        on_nonfinite: ``None`` (no check, no host sync), ``"raise"`` or ``"skip"`` the whole step when
+            a pending value or a gradient is NaN or infinite.
+        copy_for_rollback: copy first, so that an exception inside ``optimizer.step()`` restores
+            everything bitwise.
+        scaler: a ``torch.amp.GradScaler``; a step whose scaled gradients overflow is dropped whole.
+        process_group, sync_timeout: where and how long ``sync=`` updates are all-reduced.
 
     The commit makes the optimizer's step: do not call ``optimizer.step()`` in the block (it raises
     before writing); with a ``torch.amp.GradScaler`` pass ``scaler=scaler`` instead of calling

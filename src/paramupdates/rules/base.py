@@ -5,7 +5,8 @@ a subclass of :class:`Rule` and :meth:`Rule.declare`) and kept in a registry in
 declaration order. Every step whose model owns the rule's tensors applies it
 at commit, once per real optimizer update, in the rule's phase; inside a
 phase, rules run in declaration order, before the updates issued during the
-step (phase order, rule 4 of ``docs/design.md``).
+step (the commit's fixed phase order: ``before_grad``, the optimizer's step, ``after_grad``, the
+auxiliary updates, ``after_step``).
 
 Caching, one boundary each (the rows of ``benchmarks/rules.py`` they were kept for):
 

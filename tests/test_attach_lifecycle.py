@@ -126,15 +126,23 @@ def test_a_forgotten_attachment_does_not_block_another_model():
     assert "discard()" in msg and "flush()" in msg
 
 
-def test_reattaching_names_the_first_attachment():
+def test_attaching_to_another_optimizer_names_the_first_attachment_and_the_way_out():
+    """A model attached to an optimizer that is still alive: attaching it to another is refused, naming
+    the first attachment and how to get it back (the handle may be lost: a re-run cell)."""
     m = BNNet()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     pu.attach(m, opt)  # MARK: first
+    other = torch.optim.SGD(m.parameters(), lr=0.1)
     with pytest.raises(
         pu.UpdateError,
-        match=rf"already attached \(pu.attach\(BNNet\) at tests/test_attach_lifecycle.py:{_line_of('MARK: first')}\).*detach\(\)",
+        match=rf"already attached to another SGD \(pu.attach\(BNNet\) at tests/test_attach_lifecycle.py:"
+        rf"{_line_of('MARK: first')}\).*pu.Attachment.of\(model\).detach\(\)",
     ):
-        pu.attach(m, opt)
+        pu.attach(m, other)
+    pu.Attachment.of(m).detach()  # what the message says
+    assert pu.Attachment.of(m) is None
+    att = pu.attach(m, other)
+    assert pu.Attachment.of(m) is att and att.optimizer is other
 
 
 @pytest.mark.parametrize("first", ["outer", "inner"])

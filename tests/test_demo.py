@@ -18,14 +18,21 @@ from paramupdates import demo  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def result(tmp_path_factory):
+def ran(tmp_path_factory):
+    """The demo's result and what it echoed (with its progress bars, as run from the command line)."""
     out = tmp_path_factory.mktemp("demo")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the demo's default; the model is tiny
+    echoed: list[str] = []
     try:
-        return demo.run_demo(epochs=2, train_size=640, out=str(out), progress=False, echo=lambda s: None)
+        return demo.run_demo(epochs=2, train_size=640, out=str(out), progress=True, echo=echoed.append), echoed
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def result(ran):
+    return ran[0]
 
 
 def test_accuracy_above_chance(result):
@@ -118,3 +125,24 @@ def test_command_line(tmp_path, capsys):
     assert rc == 0
     assert not (tmp_path / "none").exists()
     assert "Plot:" not in capsys.readouterr().out
+
+
+def test_the_schedule_is_printed_after_the_first_epochs_progress_bar(ran):
+    """Not inside the bar (which it broke in two): after the first epoch's bar closed and its line."""
+    _, echoed = ran
+    header = echoed.index("\nThe schedule of one step (pu variant), in commit order:")
+    first_epoch = next(i for i, line in enumerate(echoed) if line.startswith("  epoch 1: test accuracy"))
+    assert first_epoch < header and "after_step" in echoed[header + 1]
+    assert not any(line.startswith("  epoch 2") for line in echoed[:header])
+
+
+def test_the_plot_shows_an_exact_zero_as_zero(result):
+    """A linear axis puts pu's exact 0 on the x-axis, where it reads as "small": the two difference panels
+    are symlog (0 is its own tick), say "0 (bitwise)" beside pu's curve, and name the statistic."""
+    fig = demo.write_plot(result.runs, result.plot)
+    _, ax_stat, ax_out = fig.axes[:3]
+    for ax in (ax_stat, ax_out):
+        assert ax.get_yscale() == "symlog" and ax.get_ylim()[0] < 0.0
+        assert any("0 (bitwise)" in t.get_text() for t in ax.texts)
+    assert "running_mean" in ax_stat.get_ylabel() and "running_var" in ax_stat.get_ylabel()
+    assert "logits" in ax_out.get_ylabel()

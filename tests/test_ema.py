@@ -541,3 +541,56 @@ def test_cpu_average_of_a_cuda_model_equals_the_average_on_the_gpu():
             torch.testing.assert_close(a, b.cpu(), rtol=1e-6, atol=1e-6, msg=k)
         else:
             assert torch.equal(a, b.cpu()), k
+
+
+def _converted_net():
+    torch.manual_seed(0)
+    return pu.convert(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
+
+
+def _ema_steps(model, stepped, avg, n=3):
+    """``n`` SGD steps of ``stepped`` (the model or its torch.compile wrapper) in pu.step."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(n):
+        with pu.step(stepped, opt):
+            stepped(torch.randn(8, 4, generator=g)).square().sum().backward()
+        opt.zero_grad()
+
+
+def test_ema_of_a_compiled_module_averages_the_module_it_compiles():
+    """``pu.ema(torch.compile(model))``: the copy is of ``model`` (no ``_orig_mod.`` keys), loads into the
+    plain model strictly, and averages bitwise as ``pu.ema(model)`` does. (``torch.compile(model)``
+    without a call compiles nothing.)"""
+    ref = _converted_net()
+    ref_avg = pu.ema(ref, 0.5)
+    _ema_steps(ref, ref, ref_avg)
+    m = _converted_net()
+    compiled = torch.compile(m)
+    avg = pu.ema(compiled, 0.5)
+    assert type(avg) is nn.Sequential and list(avg.state_dict()) == list(m.state_dict())
+    _ema_steps(m, m, avg)
+    assert_same(snapshot(ref_avg), snapshot(avg))
+    fresh = _converted_net()
+    fresh.load_state_dict(avg.state_dict())  # strict
+    assert_same(snapshot(ref_avg), snapshot(fresh))
+
+
+@pytest.mark.compile
+def test_ema_of_a_compiled_module_stepped_compiled():
+    """The compiled module stepped (``backend="eager"``: traced, eager kernels): its steps own the
+    module's tensors, so they apply the EMA of the module, bitwise the eager run's."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    try:
+        ref = _converted_net()
+        ref_avg = pu.ema(ref, 0.5)
+        _ema_steps(ref, ref, ref_avg)
+        m = _converted_net()
+        compiled = torch.compile(m, backend="eager")
+        avg = pu.ema(compiled, 0.5)
+        _ema_steps(m, compiled, avg)
+        assert_same(snapshot(ref, ref_avg), snapshot(m, avg))
+    finally:
+        torch._dynamo.reset()

@@ -1,7 +1,23 @@
 """paramupdates: ordered, deterministic, transactional custom updates of parameters.
 
-The rules are in ``docs/design.md``; every public name's docstring states the
-ordering rule that applies to it.
+Every parameter update that is not a plain gradient step (batch-norm statistics, weight decay,
+constraints, an EMA, ``pu.assign``) goes through one mechanism:
+
+* inside a step (``pu.step``, ``pu.Stepper``, or a model under ``pu.attach``) an update is
+  recorded, not written: a later read in the step sees every update issued before it, and none
+  after (read-your-writes, in program order); what autograd saved stays valid;
+* the step commits atomically, in a fixed order: ``before_grad`` (weight decay, then updates
+  issued with ``phase="before_grad"``), ``optimizer.step()``, ``after_grad`` (constraints, then
+  ``phase="after_grad"`` updates), the auxiliary updates (``phase=None`` on tensors the optimizer
+  does not update: statistics), ``after_step`` (EMA); within a phase, in declaration and issue
+  order. Every check runs before the first write; an error leaves every parameter and buffer as
+  it was;
+* activation checkpointing (``pu.checkpoint``) replays the recorded updates on recomputation and
+  never issues them twice;
+* outside a step an update applies at once, in place, under ``torch.no_grad()``.
+
+Each public name's docstring states the rule that applies to it. The full contract, with the test
+of each rule, is ``docs/design.md`` in the source repository.
 """
 
 from . import (

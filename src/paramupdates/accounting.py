@@ -17,6 +17,7 @@ tensors, the ``optimizer.step()`` call and the fix.
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -40,7 +41,8 @@ def watch() -> None:
 def applied(optimizer: Any, rules: list[Any]) -> None:
     """The commit that runs ``optimizer``'s next step in this thread applies ``rules`` (and is the one to
     answer for the rules that cover its tensors)."""
-    state.local.applied = (optimizer, rules)
+    if state.process.optimizer_watch is not None:  # (no rule was ever declared: nothing to answer for)
+        state.local.applied = (weakref.ref(optimizer), rules)
 
 
 def _unwrapped(optimizer: Any) -> list[Any]:
@@ -69,7 +71,7 @@ def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
         local.applied = None
     if not p.rules:
         return
-    ran = done[1] if done is not None and any(o is optimizer for o in _unwrapped(done[0])) else ()
+    ran = done[1] if done is not None and any(o is optimizer for o in _unwrapped(done[0]())) else ()
     for rule, tensors in _covering(optimizer):
         if rule in ran or rule in p.warned or rule.removed:
             continue

@@ -9,83 +9,88 @@ every way out of it ends the step.
 
 from __future__ import annotations
 
+import atexit
+import datetime
 import functools
+import gc
 import types
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any, Unpack
+from typing import Any
 
 import torch
 from torch import nn
 
 from . import routing
 from .commit import Commit
-from .errors import UpdateError, listed
+from .errors import AccountingWarning, UpdateError, listed
 from .journal import Journal
-from .options import StepOptionsDict, make_options
+from .options import StepOptions
 from .origin import call_site
 from .owner import Owner, check_arguments
 from .targets import ModelIndex, index_of
 
 
 class Attachment(Owner):
-    """Commit inside ``optimizer.step()``, so an unchanged training loop works.
+    """Commit a model's updates inside ``optimizer.step()``, so an unchanged training loop works.
 
-    A step opens at the first update after an ``optimizer.step()`` (or at the
-    first one ever) and commits inside the next ``optimizer.step()``: the
-    step pre-hook validates everything and applies ``before_grad``; the
-    optimizer updates the gradients; the post-hook applies ``after_grad``,
-    ``auxiliary`` and ``after_step``. Called with a closure
-    (``optimizer.step(closure)``: LBFGS, Lightning), the validation and
-    ``before_grad`` run right after the closure's first call, when the
-    gradients exist.
+    Made by :func:`attach`. A step opens at the first update after an ``optimizer.step()`` (or at
+    the first one ever) and commits inside the next ``optimizer.step()``. Until then the updates
+    are recorded, not written: reads see them in program order, and they are in no
+    ``state_dict()``. The commit applies them in the fixed phase order of :func:`~paramupdates.step`:
+    the optimizer's step pre-hook checks everything and applies ``before_grad`` (weight decay);
+    the optimizer applies the gradients; the post-hook applies ``after_grad`` (constraints), the
+    auxiliary updates (statistics) and ``after_step`` (EMA). Called with a closure
+    (``optimizer.step(closure)``: LBFGS, Lightning), the checks and ``before_grad`` run right
+    after the closure's first call, when the gradients exist.
 
-    With no optimizer step to come (evaluation, statistics recomputation),
-    call :meth:`flush` to commit the pending updates without a gradient
-    update, or :meth:`discard` to drop them. :meth:`detach` removes the hooks.
+    With no optimizer step to come (the last batch of training, evaluation, a recomputation of
+    statistics), call :meth:`flush` to commit the pending updates without a gradient update, or
+    :meth:`discard` to drop them. Updates still pending when the process exits are never
+    committed: warned (:class:`~paramupdates.AccountingWarning`). (An attachment with pending updates
+    holds its optimizer: it goes only with its model, which takes the updates along.)
+    :meth:`detach` removes the hooks (and drops pending updates).
+    :meth:`Attachment.of` finds the attachment of a model again (a lost handle, a re-run cell).
 
-    Updates issued inside ``optimizer.step()`` (an LBFGS closure's forward)
-    join the step being committed and land in its later phases.
+    Updates issued inside ``optimizer.step()`` (an LBFGS closure's forward) join the step being
+    committed and land in its later phases.
 
-    If ``optimizer.step()`` itself raises (the optimizer, a rule, validation),
-    the step is rolled back before the exception propagates: ``attach`` wraps
-    ``optimizer.step`` on the instance for that (a bound method, so that an LR
-    scheduler made before or after ``attach`` wraps it in turn; ``detach()``
-    unwraps it). An exception in your own code before ``optimizer.step()`` is
-    invisible to the attachment: call :meth:`discard` in your ``except`` block
-    to drop the updates recorded so far. (Should the class's ``step`` be
-    called around the wrapper and raise, the next ``optimizer.step()``,
-    :meth:`flush` or :meth:`state_dict` rolls it back, with a warning.)
+    If ``optimizer.step()`` itself raises (the optimizer, a rule, validation), the step is rolled
+    back before the exception propagates: ``attach`` wraps ``optimizer.step`` on the instance for
+    that (a bound method, so that an LR scheduler made before or after ``attach`` wraps it in turn;
+    ``detach()`` unwraps it). An exception in your own code before ``optimizer.step()`` is
+    invisible to the attachment: call :meth:`discard` in your ``except`` block to drop the updates
+    recorded so far. (Should the class's ``step`` be called around the wrapper and raise, the next
+    ``optimizer.step()``, :meth:`flush` or :meth:`state_dict` rolls it back, with a warning.)
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, **options: Unpack[StepOptionsDict]) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        on_nonfinite: str | None = None,
+        copy_for_rollback: bool = False,
+        scaler: Any = None,
+        process_group: Any = None,
+        sync_timeout: float | datetime.timedelta | None = None,
+    ) -> None:
         check_arguments(model, optimizer, "pu.attach")
         optimizer = hookable(optimizer)
-        super().__init__(model, optimizer, make_options(dict(options), "pu.attach"), weak=True)
+        options = StepOptions(
+            on_nonfinite=on_nonfinite,
+            copy_for_rollback=copy_for_rollback,
+            process_group=process_group,
+            sync_timeout=sync_timeout,
+            scaler=scaler,
+        )
+        super().__init__(model, optimizer, options, weak=True)
         self.origin = call_site(2)
         self.label = f"pu.attach({type(model).__name__}) at {self.origin}"
         self.journal: Journal | None = None  # the step being recorded (or committed)
         self.commit: Commit | None = None  # its commit, between the pre- and post-hook
-        for other in routing.attachments():
-            om = other.model
-            if om is model:
-                raise UpdateError(
-                    f"pu.attach at {self.origin}: {type(model).__name__} is already attached ({other.label}); "
-                    "call detach() on that attachment first. (One attachment per model: for two optimizers "
-                    "over one model, attach each to the submodule it steps, e.g. pu.attach(model.encoder, "
-                    "opt_enc) and pu.attach(model.decoder, opt_dec), or give one optimizer param groups.)"
-                )
-            nested = _nesting(model, self.index, other)
-            if nested is not None:
-                inner, outer, at = nested
-                raise UpdateError(
-                    f"pu.attach at {self.origin}: the {type(inner).__name__} at {at!r} of the "
-                    f"{type(outer).__name__} would be attached twice (here, and by {other.label}): an update "
-                    "of its tensors (a batch norm's statistics, say) would belong to both optimizers' steps. "
-                    "Attach disjoint modules, one per optimizer (pu.attach(model.encoder, opt_enc) and "
-                    "pu.attach(model.decoder, opt_dec)), or detach() the other attachment first."
-                )
+        self._refuse_overlap(model, optimizer)
         self._pre = optimizer.register_step_pre_hook(self._pre_hook)
         self._post = optimizer.register_step_post_hook(self._post_hook)
         self._calls = 0
@@ -93,8 +98,49 @@ class Attachment(Owner):
         self._nested = 0
         self._hooks_running = False
         self._detached = False
+        self._scaler_opt: Any = None  # the optimizer as given to the scaler's step, while it runs
         self._wrap_step(optimizer)
+        self._scaler_fn = self._wrap_scaler(scaler) if scaler is not None else None
         routing.add_attachment(self)
+
+    @classmethod
+    def of(cls, model: nn.Module) -> Attachment | None:
+        """The live attachment of ``model`` (made by ``pu.attach(model, ...)``), or ``None``.
+
+        For a handle that was lost (a re-run notebook cell): ``pu.Attachment.of(model).detach()``,
+        ``.flush()``, ``.schedule()``."""
+        for att in routing.attachments():
+            if att.model is model:
+                return att  # type: ignore[return-value]
+        return None
+
+    def _refuse_overlap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """:class:`UpdateError` if ``model``, a module inside it or one around it is attached already (one
+        attachment per model: an update of its tensors would belong to two optimizers' steps)."""
+        others = _overlapping(model, self.index)
+        if others:
+            gc.collect()  # an optimizer dropped by a re-run cell may be held only by a reference cycle
+            others = _overlapping(model, self.index)
+        for other in others:
+            if other.model is model:
+                raise UpdateError(
+                    f"pu.attach at {self.origin}: {type(model).__name__} is already attached to another "
+                    f"{type(other.optimizer).__name__} ({other.label}). Detach that attachment first: "
+                    "pu.Attachment.of(model).detach() (it drops its pending updates; .flush() before commits "
+                    "them). (pu.attach with the same optimizer again returns or replaces the earlier "
+                    "attachment. One attachment per model: for two optimizers over one model, attach each to "
+                    "the submodule it steps, e.g. pu.attach(model.encoder, opt_enc) and "
+                    "pu.attach(model.decoder, opt_dec), or give one optimizer param groups.)"
+                )
+            inner, outer, at = _nesting(model, self.index, other)  # type: ignore[misc]
+            raise UpdateError(
+                f"pu.attach at {self.origin}: the {type(inner).__name__} at {at!r} of the "
+                f"{type(outer).__name__} would be attached twice (here, and by {other.label}): an update "
+                "of its tensors (a batch norm's statistics, say) would belong to both optimizers' steps. "
+                "Attach disjoint modules, one per optimizer (pu.attach(model.encoder, opt_enc) and "
+                "pu.attach(model.decoder, opt_dec)), or detach() the other attachment first "
+                "(pu.Attachment.of(module) finds it)."
+            )
 
     # optimizer.step on the instance ----------------------------------------
     def _wrap_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -136,6 +182,61 @@ class Attachment(Owner):
             raise
         finally:
             self._calls -= 1
+
+    # scaler.step on the instance (scaler=) -----------------------------------
+    def _wrap_scaler(self, scaler: Any) -> Callable[..., Any]:
+        """Wrap ``scaler.step`` on the instance, as ``optimizer.step`` is, so that the attachment sees a
+        step the scaler skips (it then never calls ``optimizer.step()``): :meth:`_scaler_step`."""
+        call_orig = scaler.step  # (the class's, or a wrapper already on the instance)
+        self._prev_scaler_step = scaler.__dict__.get("step")
+        attachment = weakref.ref(self)
+
+        @functools.wraps(type(scaler).step)
+        def step(sc: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            att = attachment()
+            if att is None or att._detached or not att._steps(optimizer):
+                return call_orig(optimizer, *args, **kwargs)
+            return att._scaler_step(call_orig, optimizer, *args, **kwargs)
+
+        scaler.step = types.MethodType(step, scaler)
+        return step
+
+    def _steps(self, optimizer: Any) -> bool:
+        """Whether ``optimizer`` (as given to ``scaler.step``) is this attachment's, outside a ``pu.step``
+        commit of it (which drives the scaler itself)."""
+        try:
+            opt = hookable(optimizer)
+        except UpdateError:
+            return False
+        return opt is self.optimizer and not routing.committing_optimizer(opt) and not self._model_ref.gone
+
+    def _scaler_step(self, call_orig: Callable[..., Any], optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        """``scaler.step(optimizer)``: a commit inside it takes the scaler's verdict on the gradients (no
+        second check); a step the scaler skips (overflow: ``optimizer.step()`` never called) is dropped
+        whole, as under ``pu.step(scaler=)``: its pending updates are discarded, nothing is written,
+        and it is counted in ``skipped_steps``."""
+        closed = self._closed
+        self._scaler_opt = optimizer
+        try:
+            out = call_orig(optimizer, *args, **kwargs)
+        finally:
+            self._scaler_opt = None
+        if self._closed == closed:  # no commit ran: the scaler skipped optimizer.step()
+            self._recover()
+            c = self._commit(self.open_journal(), self.optimizer)
+            self.journal = None
+            c.skip()
+            self._committed(c)
+        return out
+
+    def _commit(self, journal: Journal, optimizer: torch.optim.Optimizer | None) -> Commit:
+        c = super()._commit(journal, optimizer)
+        # the scaler decides only for a commit inside its own step; elsewhere (a plain
+        # optimizer.step(), flush()) the step is committed as without scaler=
+        c.scaler, c.scaler_opt = (
+            (self.options.scaler, self._scaler_opt) if self._scaler_opt is not None else (None, None)
+        )
+        return c
 
     # routing (``routing.journal_of`` decides; the attachment opens its journal) ---------------------
     def open_journal(self) -> Journal:
@@ -264,11 +365,34 @@ class Attachment(Owner):
                 del opt_dict["step"]
             else:
                 opt_dict["step"] = types.MethodType(prev, opt) if bound else prev
+        self._unwrap_scaler()
         routing.remove_attachment(self)
+
+    def _unwrap_scaler(self) -> None:
+        """Put back what ``scaler.step`` was, if this attachment's wrapper is still the one on the
+        instance (else the wrapper stays there, and passes every call through)."""
+        scaler = self.options.scaler
+        if self._scaler_fn is None or scaler is None:
+            return
+        now = scaler.__dict__.get("step")
+        if isinstance(now, types.MethodType) and now.__func__ is self._scaler_fn:
+            if self._prev_scaler_step is None:
+                del scaler.__dict__["step"]
+            else:
+                scaler.__dict__["step"] = self._prev_scaler_step
 
     def state_dict(self) -> dict[str, Any]:
         self._recover()
         return super().state_dict()
+
+    def _take_over(self, earlier: Attachment, journal: Journal | None) -> None:
+        """Continue where ``earlier`` (of the same model and optimizer, detached) stopped: its pending
+        updates (``journal``, committed by this attachment's next optimizer step) and its counters."""
+        self.steps, self.skipped_steps, self._closed = earlier.steps, earlier.skipped_steps, earlier._closed
+        self._last, self._last_skipped = earlier._last, earlier._last_skipped
+        if journal is not None:
+            journal.label = self.label
+            self.journal = journal
 
     def _open_journal(self) -> Journal | None:
         return self.journal
@@ -354,16 +478,96 @@ def hookable(optimizer: Any) -> torch.optim.Optimizer:
     return seen
 
 
-def attach(model: nn.Module, optimizer: torch.optim.Optimizer, **options: Unpack[StepOptionsDict]) -> Attachment:
-    """Commit ``model``'s updates inside ``optimizer.step()`` via its step pre/post hooks.
+def attach(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    on_nonfinite: str | None = None,
+    copy_for_rollback: bool = False,
+    scaler: Any = None,
+    process_group: Any = None,
+    sync_timeout: float | datetime.timedelta | None = None,
+) -> Attachment:
+    """Commit ``model``'s updates inside ``optimizer.step()`` via its step pre/post hooks, so an
+    unchanged training loop works. Returns the :class:`Attachment` (``.schedule()``, ``.flush()``,
+    ``.discard()``, ``.state_dict()``, ``.detach()``).
 
-    The commit order is the same as :func:`step` (phase order, rule 4): the pre-hook
-    applies ``before_grad``; the optimizer applies the gradients; the
-    post-hook applies ``after_grad``, ``auxiliary`` and ``after_step``.
-    Returns an :class:`Attachment` (``.schedule()``, ``.flush()``,
-    ``.discard()``, ``.state_dict()``, ``.detach()``). ``**options``: see
-    :class:`Stepper`; under attach the commit's all-reduce (``sync=``) runs in
-    the pre-hook of ``optimizer.step()`` (or in ``flush()``), so every rank
-    must call those together.
+    Updates issued after an ``optimizer.step()`` are recorded (later reads see them; nothing is
+    written) and committed inside the next one, in the fixed phase order of
+    :func:`~paramupdates.step`: the pre-hook applies ``before_grad`` (weight decay), the optimizer
+    the gradients, the post-hook ``after_grad`` (constraints), the auxiliary updates (statistics)
+    and ``after_step`` (EMA). Updates issued after the last ``optimizer.step()`` (a final train-mode
+    forward) wait for a step that never comes: call ``flush()`` (commit them, no gradient update)
+    or ``discard()``.
+
+    Called again for the same model and optimizer (a re-run notebook cell), it returns the
+    attachment made earlier when the options are the same; with other options the earlier one is
+    replaced, with a warning naming where it was made, and its pending updates and counters carry
+    over to the new one. Another optimizer for an attached model is refused
+    (:class:`~paramupdates.UpdateError`); :meth:`Attachment.of` finds the earlier attachment.
+
+    The options are :class:`~paramupdates.Stepper`'s (``scaler=``: the loop keeps calling
+    ``scaler.step(optimizer)`` and ``scaler.update()``; a step the scaler skips is dropped whole).
+    The commit's all-reduce (``sync=``) runs in the pre-hook of ``optimizer.step()`` (or in
+    ``flush()``), so every rank must call those together.
     """
-    return Attachment(model, optimizer, **options)
+    check_arguments(model, optimizer, "pu.attach")
+    options = {
+        "on_nonfinite": on_nonfinite,
+        "copy_for_rollback": copy_for_rollback,
+        "scaler": scaler,
+        "process_group": process_group,
+        "sync_timeout": sync_timeout,
+    }
+    earlier = Attachment.of(model)
+    if earlier is None or earlier.optimizer is not hookable(optimizer):
+        return Attachment(model, optimizer, **options)
+    if earlier.options == StepOptions(**options):
+        return earlier  # the same call again: nothing changes
+    earlier._recover()
+    journal, earlier.journal = earlier.journal, None  # carried over, not dropped
+    earlier.detach()
+    att = Attachment(model, optimizer, **options)
+    att._take_over(earlier, journal)
+    warnings.warn(
+        f"pu.attach at {att.origin}: {type(model).__name__} was attached to this {type(att.optimizer).__name__} "
+        f"already ({earlier.label}) with other options; that attachment is detached and this one takes its place "
+        "(its pending updates and counters carry over). Call .detach() on the earlier attachment "
+        "(pu.Attachment.of(model)) first to silence this warning.",
+        UserWarning,
+        stacklevel=2,
+    )
+    return att
+
+
+def _overlapping(model: nn.Module, index: ModelIndex) -> list[Attachment]:
+    """The live attachments of ``model``, of a module inside it, or of one around it."""
+    return [
+        other  # type: ignore[misc]
+        for other in routing.attachments()
+        if other.model is model or _nesting(model, index, other) is not None  # type: ignore[arg-type]
+    ]
+
+
+def _warn_pending(att: Attachment, why: str) -> None:
+    """:class:`AccountingWarning`: ``att`` has updates pending that no step will commit (``why``)."""
+    j = att.journal
+    names = j.pending_names() if j is not None and j.state == "open" else []
+    if not names:
+        return
+    warnings.warn(
+        f"{att.label}: updates of {listed(list(map(repr, names)), 5)} were issued after the last "
+        f"optimizer.step() and are still pending when {why}: they were never committed, and are in no "
+        "state_dict (a train-mode forward after the last optimizer.step(), say). Call attachment.flush() "
+        "after the last forward to commit them without an optimizer step (attachment.discard() drops them, "
+        "as does a forward in model.eval()); pu.Attachment.of(model) finds the attachment.",
+        AccountingWarning,
+        stacklevel=2,
+    )
+
+
+@atexit.register
+def _warn_pending_at_exit() -> None:
+    """At interpreter exit: warn for every attachment whose updates are still pending."""
+    for att in list(routing.attachments()):
+        _warn_pending(att, "the process exits")  # type: ignore[arg-type]

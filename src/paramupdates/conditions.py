@@ -1,6 +1,6 @@
 """``pu.when(pred)``: conditional updates.
 
-Rule 6 of ``docs/design.md``. Inside ``with pu.when(pred):``
+Inside ``with pu.when(pred):``
 
 * ``pred`` a Python ``bool`` (``self.training`` is the idiom): ``False``
   records nothing at all, ``True`` records as if there were no condition;

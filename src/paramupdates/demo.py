@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import math
 import os
 import sys
 import time
@@ -337,10 +338,6 @@ def run_demo(
                 r.stat_diff.append(stat_diff(r, runs["reference"]))
             if not schedule:
                 schedule = str(runs["pu"].stepper.schedule())
-                bar.clear()
-                echo("\nThe schedule of one step (pu variant), in commit order:")
-                echo(schedule)
-                echo("")
             bar.set_postfix(loss=f"{losses['pu']:.3f}")
         bar.close()
         for r in runs.values():
@@ -352,6 +349,10 @@ def run_demo(
                 f"  epoch {epoch + 1}: test accuracy {100 * runs['pu'].acc[-1]:.1f} % "
                 f"(EMA {100 * runs['pu'].ema_acc[-1]:.1f} %)"
             )
+        if epoch == 0:  # (after the first epoch's bar closed: never inside it)
+            echo("\nThe schedule of one step (pu variant), in commit order:")
+            echo(schedule)
+            echo("")
     contrasts = {name: contrast(r, runs["reference"], steps) for name, r in runs.items() if name != "reference"}
     path = None
     if plot:
@@ -417,10 +418,10 @@ def report(res: Result) -> str:
     return "\n".join(lines)
 
 
-def write_plot(runs: dict[str, Run], path: str) -> None:
+def write_plot(runs: dict[str, Run], path: str) -> Any:
     """What checkpointing changed, per variant (Agg, no display): the batch-norm counter per step, the
     running statistics against the reference per step, the test-set eval outputs against the reference
-    per epoch."""
+    per epoch (the two differences on a symlog scale, where 0 is exactly 0). Returns the figure."""
     figure = _need("matplotlib.figure")
     fig = figure.Figure(figsize=(15, 4.2), layout="constrained")
     ax_count, ax_stat, ax_out = fig.subplots(1, 3)
@@ -447,19 +448,49 @@ def write_plot(runs: dict[str, Run], path: str) -> None:
         ylabel="counter",
     )
     ax_stat.set(
-        title="running statistics vs the reference\n(max |running mean or var - reference|, all BN layers)",
+        title="running statistics vs the reference\n(all BN layers; symlog scale: 0 is exactly 0)",
         xlabel="step",
-        ylabel="max abs difference",
+        ylabel="max |running_mean, running_var - reference's|",
     )
     ax_out.set(
-        title="the evaluated model vs the reference\n(max |test logits - reference's|, eval mode)",
+        title="the evaluated model vs the reference\n(test set, eval mode; symlog scale: 0 is exactly 0)",
         xlabel="epoch",
-        ylabel="max abs difference",
+        ylabel="max |test logits - reference's|",
+    )
+    ax_out.set_xticks(range(1, len(ref.eval) + 1))  # (whole epochs)
+    pu_run = runs["pu"]
+    pu_out = [float((e.logits - q.logits).abs().max()) for e, q in zip(pu_run.eval, ref.eval)]
+    _zero_is_zero(ax_stat, [d for r in runs.values() for d in r.stat_diff], set(pu_run.stat_diff) == {0.0})
+    _zero_is_zero(
+        ax_out,
+        [float((e.logits - q.logits).abs().max()) for r in runs.values() for e, q in zip(r.eval, ref.eval)],
+        set(pu_out) == {0.0},
     )
     for ax in (ax_count, ax_stat, ax_out):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.savefig(path, dpi=110)
+    return fig
+
+
+def _zero_is_zero(ax: Any, values: list[float], pu_is_zero: bool) -> None:
+    """A symlog y-axis whose linear part lies below every nonzero ``values``, so that exactly 0 is its own
+    tick and not "small"; where pu's curve is 0 at every point, say so beside it."""
+    nonzero = [abs(v) for v in values if v != 0.0]
+    lin = 10.0 ** math.floor(math.log10(min(nonzero))) if nonzero else 1.0
+    ax.set_yscale("symlog", linthresh=lin)
+    ax.set_ylim(bottom=-0.3 * lin)
+    if pu_is_zero:
+        ax.annotate(
+            "pu: 0 (bitwise) at every point",
+            xy=(0.5, 0.0),
+            xycoords=("axes fraction", "data"),
+            xytext=(0, 6),
+            textcoords="offset points",
+            ha="center",
+            color="tab:green",
+            fontsize=9,
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -36,7 +36,11 @@ class AmbiguousOrderError(UpdateError):
 
 
 class AccountingWarning(UserWarning):
-    """Something declared or issued may not be applied as the user believes (rule 12, "accounted for").
+    """Something declared or issued may not be applied as the user believes.
+
+    paramupdates accounts for everything: at every optimizer step that updates a tensor a declared
+    rule covers, the rule runs on the tensor the model holds then under that name, and an issued
+    update is committed by the step of the model it was issued for, or the library raises or warns.
 
     Warned, once per cause, where paramupdates cannot prove a mistake but sees a declared rule or an
     issued update left without a step that applies it: a declared rule over tensors that an

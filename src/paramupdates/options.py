@@ -12,10 +12,10 @@ NONFINITE = (None, "raise", "skip")
 
 
 class StepOptionsDict(TypedDict, total=False):
-    """The keyword arguments of :class:`StepOptions` (``**options`` of ``pu.step`` and ``pu.attach``)."""
+    """The keyword arguments of :class:`StepOptions`, for what passes them on to ``pu.attach`` later (the
+    frameworks' callbacks); ``pu.step``, ``pu.Stepper`` and ``pu.attach`` spell each one out."""
 
     on_nonfinite: str | None
-    check_finite: bool | None
     copy_for_rollback: bool
     process_group: Any
     sync_timeout: float | datetime.timedelta | None
@@ -24,61 +24,53 @@ class StepOptionsDict(TypedDict, total=False):
 
 @dataclass(frozen=True)
 class StepOptions:
-    """How a step commits.
+    """How a step commits: the keyword arguments of ``pu.step``, ``pu.Stepper`` and ``pu.attach``.
 
     Attributes:
         on_nonfinite: ``None`` (the default): no finiteness check, and the commit never waits on the
-            device (validated commit, rule 7: shape, dtype kind, device and the rules' preconditions
-            are still checked, at no sync). Opt in, as ``optax.apply_if_finite`` and
-            ``torch.amp.GradScaler`` do: ``"raise"`` (an :class:`~paramupdates.UpdateError` naming
-            the target or the parameter, nothing written) or ``"skip"`` (drop the whole step,
-            optimizer included, and count it in ``skipped_steps``) when a pending value, or a
-            gradient the optimizer would use, is NaN or infinite: one batched check of both, one
-            host sync per step. With a ``scaler=`` the scaler's own ``found_inf`` decides for the
-            gradients (no second check of them).
-        check_finite: an older spelling: ``True`` checks as ``on_nonfinite="raise"`` does (unless
-            ``on_nonfinite`` says ``"skip"``), ``False`` turns the check off whatever
-            ``on_nonfinite`` says; ``None`` (the default): as ``on_nonfinite`` says.
+            device; shape, dtype kind, device and every declared rule's preconditions are still
+            checked before the first write, at no host sync. Opt in, as ``optax.apply_if_finite``
+            and ``torch.amp.GradScaler`` do: ``"raise"`` (an :class:`~paramupdates.UpdateError`
+            naming the target or the parameter, nothing written) or ``"skip"`` (drop the whole
+            step, the optimizer's update included, and count it in ``skipped_steps``) when a
+            pending value, or a gradient the optimizer would use, is NaN or infinite: one batched
+            check of both, one host sync per step. With a ``scaler=`` the scaler's own
+            ``found_inf`` decides for the gradients (no second check of them).
         copy_for_rollback: before the commit writes while a fallible stage (the optimizer's step,
             a rule that runs user code) is still to come, copy what it writes and the optimizer's
-            state, so that an exception there restores everything bitwise (validated commit,
-            rule 7). Costs one copy of the parameters and the optimizer's state per step (kept
+            state, so that an exception there restores every parameter, buffer and optimizer state
+            bitwise. Costs one copy of the parameters and the optimizer's state per step (kept
             between steps on CPU). Off by default: every check still runs before the first write,
             and an exception raised by the optimizer itself (or a user constraint after it) leaves
             what was written so far, as plain PyTorch does, drops the step's pending updates, and
             says which were applied.
-        process_group: the ``torch.distributed`` group that ``sync="mean"``/``"sum"`` updates reduce
-            over at commit (distributed sync, rule 9); ``None``: the default group. Every rank of the group must commit
-            its steps together.
+        process_group: the ``torch.distributed`` group that ``sync="mean"``/``"sum"`` updates are
+            all-reduced over at commit, so that every rank commits the same value; ``None``: the
+            default group. Every rank of the group must commit its steps together.
         sync_timeout: seconds (or a ``timedelta``) to wait for the other ranks at the commit's
             all-reduce before raising :class:`~paramupdates.UpdateError`; ``None``: the group's own
             timeout (``init_process_group(timeout=...)``).
-        scaler: a ``torch.amp.GradScaler`` (``pu.step`` / ``Stepper`` only): the commit's gradient
-            update is ``scaler.step(optimizer)`` then ``scaler.update()``, in place of
-            ``optimizer.step()``. A step whose (scaled) gradients are not finite is skipped whole, as
-            with ``on_nonfinite="skip"`` and whatever ``on_nonfinite`` says (overflow is the scaler's
-            business): nothing of it is written, it is counted in ``skipped_steps``, and
-            ``scaler.update()`` lowers the scale. Under ``pu.attach`` call ``scaler.step(opt)`` and
-            ``scaler.update()`` in the loop as usual instead.
+        scaler: a ``torch.amp.GradScaler``. A step whose scaled gradients overflow (the scaler skips
+            ``optimizer.step()``) is dropped whole, whatever ``on_nonfinite`` says: none of its
+            pending updates (batch-norm statistics) or rules is applied, it is counted in
+            ``skipped_steps``, and the next step trains as usual. Under ``pu.step`` / ``Stepper``
+            the commit's gradient update is ``scaler.step(optimizer)`` then ``scaler.update()`` (do
+            not call them in the block). Under ``pu.attach`` the loop keeps calling
+            ``scaler.step(optimizer)`` and ``scaler.update()``: the attachment wraps ``scaler.step``
+            on that scaler instance to see the steps it skips (``detach()`` unwraps it). Without
+            ``scaler=``, an attachment's pending updates carry over a step the scaler skips into
+            the next ``optimizer.step()``, as under gradient accumulation.
     """
 
     on_nonfinite: str | None = None
-    check_finite: bool | None = None
     copy_for_rollback: bool = False
     process_group: Any = None
-    sync_timeout: float | None = None
+    sync_timeout: float | datetime.timedelta | None = None
     scaler: Any = None
 
     def __post_init__(self) -> None:
         if self.on_nonfinite not in NONFINITE:
             raise ValueError(f"on_nonfinite must be None, 'raise' or 'skip', not {self.on_nonfinite!r}")
-        how = self.on_nonfinite
-        if self.check_finite is False:
-            how = None
-        elif self.check_finite is True and how is None:
-            how = "raise"
-        object.__setattr__(self, "on_nonfinite", how)
-        object.__setattr__(self, "check_finite", how is not None)  # (what the commit reads)
         if self.scaler is not None and not (
             callable(getattr(self.scaler, "step", None)) and callable(getattr(self.scaler, "update", None))
         ):
@@ -87,20 +79,23 @@ class StepOptions:
             secs = hooks.sync_backend("process_group/sync_timeout").check_options(self.process_group, self.sync_timeout)
             object.__setattr__(self, "sync_timeout", secs)
 
+    @property
+    def checks_finite(self) -> bool:
+        """Whether the commit checks finiteness (``on_nonfinite`` is ``"raise"`` or ``"skip"``)."""
+        return self.on_nonfinite is not None
+
+
+OWN_SCALER_CALLS = ("pu.step", "pu.Stepper", "pu.attach")
+"""Where ``scaler=`` is taken: the frameworks' callbacks leave the scaler to the framework."""
+
 
 def make_options(options: dict[str, Any], where: str) -> StepOptions:
-    """:class:`StepOptions` from the ``**options`` of ``where``; a ``TypeError`` naming an unknown one."""
+    """:class:`StepOptions` from the keyword arguments given to ``where``; a ``TypeError`` naming an
+    unknown one."""
     unknown = set(options) - set(StepOptions.__dataclass_fields__)
-    if "atomic" in unknown:
+    if options.get("scaler") is not None and where not in OWN_SCALER_CALLS:
         raise TypeError(
-            f"{where}: atomic= is now copy_for_rollback= (default False: no copy of the parameters and "
-            "optimizer state; every check still runs before the first write)."
-        )
-    if "scaler" in options and options["scaler"] is not None and where not in ("pu.step", "pu.Stepper"):
-        raise TypeError(
-            f"{where}: scaler= is for pu.step / pu.Stepper, whose commit calls the optimizer step. Under "
-            "pu.attach keep scaler.step(optimizer) and scaler.update() in your loop: the attachment commits "
-            "inside the optimizer.step() that scaler.step makes."
+            f"{where}: scaler= is for pu.step, pu.Stepper and pu.attach; the framework drives its own GradScaler here."
         )
     if unknown:
         raise TypeError(

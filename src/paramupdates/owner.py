@@ -102,6 +102,7 @@ class Owner:
             self.steps += 1
         self._last_skipped = c.skipped
         self._last = c.schedule()
+        c.release()
 
     def _open_journal(self) -> Journal | None:
         raise NotImplementedError

@@ -2,7 +2,7 @@
 
 Inside a step, every use of a ``pu.Parameter`` (any op, ``print``, indexing,
 passing it to a module) sees its pending value: the updates issued before the
-read, in program order (read-your-writes, rule 1 of ``docs/design.md``). Its
+read, in program order (read-your-writes). Its
 storage is written only at commit (deferred commit, rule 2). Outside a step it is an ordinary
 parameter.
 """

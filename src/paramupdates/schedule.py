@@ -1,8 +1,8 @@
 """The printable plan of a step: what a commit writes, in which order.
 
 ``Stepper.schedule()`` returns a :class:`Schedule`, a sequence of
-:class:`ScheduleEntry` rows in commit order (phase order, rule 4 of ``docs/design.md``,
-the phases of ``phases.py``): inside a phase, declared rules in declaration
+:class:`ScheduleEntry` rows in commit order (the fixed phase order: ``before_grad``,
+the optimizer's step, ``after_grad``, auxiliary, ``after_step``): inside a phase, declared rules in declaration
 order, then issued updates in issue order. The rows are made when the
 schedule is first read, not at commit (a commit only keeps what they are
 made from), so a loop that never looks at its schedule does not pay for it.

@@ -1,8 +1,8 @@
 """One training step as a transaction: ``pu.step``, ``pu.Stepper``, ``pu.attach``.
 
 A step records the updates issued during it (``journal.Journal``) and commits
-them through one driver (``commit.Commit``) in the fixed phase order of rule 4
-(``docs/design.md``; ``phases.py``):
+them through one driver (``commit.Commit``) in the fixed phase order
+(``phases.py``):
 
 1. ``before_grad``: declared rules (weight decay), then updates issued with
    ``phase="before_grad"``, in declaration / issue order;
@@ -18,8 +18,9 @@ before the first write (validated commit, rule 7).
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Callable
-from typing import Any, Unpack
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,7 +29,7 @@ from . import routing
 from .attach import hookable, refuse_pending_attachment
 from .errors import UpdateError
 from .journal import Journal
-from .options import StepOptionsDict, make_options
+from .options import StepOptions
 from .origin import Label, call_site, capture
 from .owner import Owner, check_arguments
 
@@ -36,22 +37,33 @@ from .owner import Owner, check_arguments
 class Stepper(Owner):
     """A training step as a transaction over ``model`` (and ``optimizer``).
 
-    ``with stepper: ...`` (or ``stepper.run(fn, *args)``) opens a step; updates
-    issued inside are recorded, reads see them in program order (read-your-writes, rule 1), and
-    nothing is written (deferred commit, rule 2) until the block exits cleanly, when the commit
-    applies the phases in their fixed order (phase order, rule 4; ``optimizer.step()`` is
-    called by the commit, between ``before_grad`` and ``after_grad``). On an
-    exception the step is discarded.
+    ``with stepper: ...`` (or ``stepper.run(fn, *args)``) opens a step. Inside it an update
+    (``pu.assign``, a batch norm's statistics) is recorded, not written: a later read in the step
+    sees every update issued before it, and none issued after (read-your-writes, in program order);
+    the storage is not touched, so what autograd saved stays valid. When the block exits cleanly the
+    commit applies everything in a fixed order: ``before_grad`` (weight decay, then updates issued
+    with ``phase="before_grad"``), ``optimizer.step()``, ``after_grad`` (constraints, then
+    ``phase="after_grad"`` updates), the auxiliary updates (``phase=None`` on tensors the optimizer
+    does not update: statistics), ``after_step`` (EMA); within a phase, in declaration and issue
+    order. Every check runs before the first write. On an exception the step is discarded, and every
+    parameter and buffer is what it was.
 
     Args:
         model: the module whose parameters and buffers may be targets.
-        optimizer: stepped at commit; ``None`` for steps without a gradient update.
-        closure: passed to ``optimizer.step(closure)`` (LBFGS and friends); the
-            commit's checks and ``before_grad`` run right after its first call,
-            when the gradients exist. Updates it issues join the step.
-        **options: see :class:`~paramupdates.options.StepOptions` (``on_nonfinite``,
-            ``check_finite``, ``copy_for_rollback``, ``process_group``, ``sync_timeout``,
-            ``scaler``).
+        optimizer: stepped by the commit; ``None`` for steps without a gradient update.
+        closure: passed to ``optimizer.step(closure)`` (LBFGS and friends); the commit's checks and
+            ``before_grad`` run right after its first call, when the gradients exist. Updates it
+            issues join the step.
+        on_nonfinite: ``None`` (default: no check, no host sync), ``"raise"`` or ``"skip"`` (the
+            whole step) when a pending value or a gradient is NaN or infinite.
+        copy_for_rollback: copy what the commit writes first, so that an exception inside
+            ``optimizer.step()`` restores everything bitwise (one copy per step).
+        scaler: a ``torch.amp.GradScaler``: the commit calls ``scaler.step(optimizer)`` and
+            ``scaler.update()``; a step whose scaled gradients overflow is dropped whole.
+        process_group: the group ``sync=`` updates are all-reduced over (``None``: the default).
+        sync_timeout: seconds to wait for the other ranks at that all-reduce.
+
+    Each option in full: :class:`~paramupdates.options.StepOptions`.
 
     While a step records, ``optimizer.step()`` belongs to its commit: a call made in the block
     (or by ``GradScaler.step``) raises :class:`UpdateError` before the optimizer writes. Steps are
@@ -64,10 +76,21 @@ class Stepper(Owner):
         optimizer: torch.optim.Optimizer | None = None,
         *,
         closure: Callable[[], Any] | None = None,
-        **options: Unpack[StepOptionsDict],
+        on_nonfinite: str | None = None,
+        copy_for_rollback: bool = False,
+        scaler: Any = None,
+        process_group: Any = None,
+        sync_timeout: float | datetime.timedelta | None = None,
     ) -> None:
         check_arguments(model, optimizer, "pu.Stepper")
-        super().__init__(model, optimizer, make_options(dict(options), "pu.Stepper"))
+        options = StepOptions(
+            on_nonfinite=on_nonfinite,
+            copy_for_rollback=copy_for_rollback,
+            process_group=process_group,
+            sync_timeout=sync_timeout,
+            scaler=scaler,
+        )
+        super().__init__(model, optimizer, options)
         self.closure = closure
         if closure is not None and self.options.scaler is not None:
             raise TypeError(
@@ -221,20 +244,45 @@ def step(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     closure: Callable[[], Any] | None = None,
-    **options: Unpack[StepOptionsDict],
+    on_nonfinite: str | None = None,
+    copy_for_rollback: bool = False,
+    scaler: Any = None,
+    process_group: Any = None,
+    sync_timeout: float | datetime.timedelta | None = None,
 ) -> StepBlock:
     """One training step as a transaction (context manager yielding a :class:`Stepper`).
 
-    ``with pu.step(model, opt) as s: loss.backward()`` records every update
-    issued in the block and, on a clean exit, commits them in the fixed phase
-    order (``before_grad``, ``optimizer.step()``, ``after_grad``,
-    ``auxiliary``, ``after_step``). An exception discards the step.
-    ``s.schedule()`` afterwards is the committed plan. ``closure`` and
-    ``**options`` (``on_nonfinite="raise"`` or ``"skip"``, ``check_finite``,
-    ``copy_for_rollback``, ``process_group``, ``sync_timeout``, ``scaler``): see :class:`Stepper`.
+    ``with pu.step(model, opt) as s: loss.backward()`` records every update issued in the block
+    (later reads in the block see them; nothing is written) and, on a clean exit, commits them in
+    the fixed phase order: ``before_grad`` (weight decay), ``optimizer.step()``, ``after_grad``
+    (constraints), the auxiliary updates (statistics), ``after_step`` (EMA). An exception discards
+    the step, leaving every parameter and buffer as it was. ``s.schedule()`` afterwards is the
+    committed plan.
+
+    Args (:class:`Stepper`'s; each option in full: :class:`~paramupdates.options.StepOptions`):
+        model, optimizer: the module whose tensors may be targets; the optimizer the commit steps.
+        closure: for ``optimizer.step(closure)`` (LBFGS).
+        on_nonfinite: ``None`` (no check, no host sync), ``"raise"`` or ``"skip"`` the whole step when
+            a pending value or a gradient is NaN or infinite.
+        copy_for_rollback: copy first, so that an exception inside ``optimizer.step()`` restores
+            everything bitwise.
+        scaler: a ``torch.amp.GradScaler``; a step whose scaled gradients overflow is dropped whole.
+        process_group, sync_timeout: where and how long ``sync=`` updates are all-reduced.
+
     The commit makes the optimizer's step: do not call ``optimizer.step()`` in the block (it raises
-    before writing); with a ``torch.amp.GradScaler`` pass ``scaler=scaler``. The returned object is
-    one step: enter it once.
+    before writing); with a ``torch.amp.GradScaler`` pass ``scaler=scaler`` instead of calling
+    ``scaler.step`` / ``scaler.update``. The returned object is one step: enter it once (or make a
+    :class:`Stepper` once and enter it each step).
     """
     check_arguments(model, optimizer, "pu.step")
-    return Stepper(model, optimizer, closure=closure, **options).step()
+    stepper = Stepper(
+        model,
+        optimizer,
+        closure=closure,
+        on_nonfinite=on_nonfinite,
+        copy_for_rollback=copy_for_rollback,
+        scaler=scaler,
+        process_group=process_group,
+        sync_timeout=sync_timeout,
+    )
+    return stepper.step()

@@ -2,7 +2,7 @@
 
 Inside a step (``pu.step``, ``pu.Stepper``, or a model under ``pu.attach``)
 an update is validated at its call site and recorded; reads issued after it
-see it (read-your-writes, rule 1 of ``docs/design.md``); nothing is written
+see it (read-your-writes); nothing is written
 until commit (deferred commit, rule 2), which applies it in its phase (phase order, rule 4):
 
 * ``phase=None``: the ``auxiliary`` phase, after the gradient update. On a
@@ -199,7 +199,25 @@ def _refuse_foreign(j: Journal, t: torch.Tensor, origin: Any, op: str) -> None:
 
 
 def assign(target: torch.Tensor, value: Any, *, phase: str | None = None, sync: str | None = None) -> None:
-    """``target <- value``, in phase ``phase`` (phase order, rule 4; see the module docstring)."""
+    """``target <- value``: recorded inside a step, written at its commit; at once outside a step.
+
+    Inside a step (``pu.step``, ``pu.Stepper``, or a model under ``pu.attach``) the update is
+    checked now (shape, dtype kind, device: an error names ``target`` and this call) and recorded:
+    every read of ``target`` after it in the step sees the new value, and nothing is written until
+    the commit, which applies it in its phase:
+
+    * ``phase=None``: the auxiliary phase, after the optimizer's update (statistics, counters). On a
+      tensor the optimizer also updates, the order would be a race:
+      :class:`~paramupdates.AmbiguousOrderError`, asking for one of the two below;
+    * ``"before_grad"`` / ``"after_grad"``: before / after ``optimizer.step()``;
+    * ``"after_step"``: last, with the EMA.
+
+    Updates of one target in one phase compose in issue order. Outside a step it applies at once, in
+    place, under ``torch.no_grad()``. Inside ``pu.when(pred)`` it is conditional (``False``: not
+    recorded; a bool tensor: ``where(pred, new, old)``). ``sync="mean"`` / ``"sum"``: all-reduced
+    across ranks at commit, so every rank commits the same value. Returns ``None``: read the target
+    to see the new value.
+    """
     issue("assign", target, value, None, phase, sync)
 
 
@@ -210,19 +228,22 @@ def assign_fresh(target: torch.Tensor, value: torch.Tensor, *, sync: str | None 
 
 
 def assign_add(target: torch.Tensor, delta: Any, *, phase: str | None = None, sync: str | None = None) -> None:
-    """``target <- target + delta``; several in one phase compose in issue order."""
+    """``target <- target + delta``, recorded and committed as :func:`assign` is; several in one phase
+    compose in issue order."""
     issue("assign_add", target, delta, None, phase, sync)
 
 
 def assign_sub(target: torch.Tensor, delta: Any, *, phase: str | None = None, sync: str | None = None) -> None:
-    """``target <- target - delta``; several in one phase compose in issue order."""
+    """``target <- target - delta``, recorded and committed as :func:`assign` is; several in one phase
+    compose in issue order."""
     issue("assign_sub", target, delta, None, phase, sync)
 
 
 def assign_key(
     target: torch.Tensor, key: Any, value: Any, *, phase: str | None = None, sync: str | None = None
 ) -> None:
-    """``target[key] <- value`` (out of place until commit: ``new = old.clone(); new[key] = value``)."""
+    """``target[key] <- value``, recorded and committed as :func:`assign` is (out of place until the
+    commit: ``new = old.clone(); new[key] = value``)."""
     issue("assign_key", target, value, key, phase, sync)
 
 

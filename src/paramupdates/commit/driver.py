@@ -74,6 +74,7 @@ class Commit:
     ) -> None:
         self.journal = journal
         self.optimizer = optimizer
+        self.optimizer_name = type(optimizer).__name__ if optimizer is not None else None  # (the schedule's)
         self.options = options
         self.label = journal.label
         self.seq = (
@@ -85,6 +86,11 @@ class Commit:
         self.rules: list[Rule] = []
         self._phase_rules: dict[str, list[Rule]] = {}  # the rules by phase, in declaration order
         self._ctx: CommitContext | None = None  # what the rules see (one per commit)
+        # The GradScaler whose verdict on the gradients this commit takes (``scaler=``), and, under
+        # pu.attach, the optimizer as given to the scaler's step that is running this commit (None:
+        # the commit calls scaler.step and scaler.update itself, as pu.step's does).
+        self.scaler: Any = options.scaler
+        self.scaler_opt: Any = None
         self.skipped = False
         self.state = "new"  # new -> begun -> checked -> stepped -> done | aborted
         # The entries whose targets were written earlier in this commit (by a phase or a rule: what
@@ -140,13 +146,14 @@ class Commit:
             # a scaled gradient overflowed: the scaler's business (torch.amp.GradScaler semantics)
             self.skipped = True
             self._end("done")
-            self._scaler_skip()
+            if self.scaler_opt is None:
+                self._scaler_skip()
             return False
         params, grads = self._grads_to_check()
         sharded = j.any_sharded or (bool(grads) and sharding.any_sharded(grads))
         remote_bad, agreed = self._reduce_synced(grads, sharded)
         remote_bad = self._agree_sharded(grads, sharded, remote_bad, agreed)
-        if self.options.check_finite:
+        if self.options.checks_finite:
             return self._decide_finite(params, grads, sharded, remote_bad)
         return True
 
@@ -195,7 +202,7 @@ class Commit:
     def _grads_to_check(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The parameters and gradients the optimizer will use, when finiteness is checked: they are
         checked with the pending values (validated commit, rule 7), as ``torch.amp.GradScaler`` does."""
-        if self.options.check_finite and self.optimizer is not None and self._scaler() is None:
+        if self.options.checks_finite and self.optimizer is not None and self._scaler() is None:
             return optimizer_grads(self.optimizer)
         return [], []  # (with a scaler, its found_inf decided: no second check)
 
@@ -212,7 +219,7 @@ class Commit:
         if not backend.active(opts.process_group):
             return 0, False
         local_bad = False
-        if opts.check_finite:
+        if opts.checks_finite:
             ok = finite_flag(pending_values(j, unsynced=True), sharded, self._rows_grouped(), grads)
             local_bad = ok is not None and not bool(ok)
         remote_bad = backend.reduce(self, synced, local_bad)
@@ -227,7 +234,7 @@ class Commit:
         if support is None or not (j.entries or j.rows) or not support.model_sharded(j.index):
             return remote_bad
         self._guard_storage()
-        if self.options.check_finite and not agreed:
+        if self.options.checks_finite and not agreed:
             ok = finite_flag(pending_values(j), sharded, self._rows_grouped(), grads)
             remote_bad = support.agree_nonfinite(self, ok is not None and not bool(ok))
         return remote_bad
@@ -264,27 +271,35 @@ class Commit:
             f"{type(self.optimizer).__name__}.step() would write into the parameter. Nothing was "
             "written. Fix the loss, the data or the learning rate; or pass on_nonfinite='skip' to skip "
             "such steps as torch.amp.GradScaler does (the whole step, counted in skipped_steps); or "
-            "check_finite=False to let the optimizer take them."
+            "leave on_nonfinite=None (the default) to let the optimizer take them, as plain PyTorch does."
         )
 
     def _scaler(self) -> Any:
         """The step's ``torch.amp.GradScaler``, if it has an enabled one and an optimizer."""
-        scaler = self.options.scaler
+        scaler = self.scaler
         if scaler is None or self.optimizer is None or not scaler.is_enabled():
             return None
         return scaler
 
     def _scaler_overflowed(self) -> bool:
-        """With a ``scaler=``: whether the scaled gradients overflowed, as the scaler itself decides
-        (``scaler.unscale_(optimizer)``, then its ``found_inf``: one host sync, the one
-        ``scaler.step`` makes anyway; ``scaler.step`` then reuses the unscaled gradients)."""
+        """With a ``scaler=``: whether the scaled gradients overflowed, as the scaler itself decides.
+
+        Under ``pu.step``: ``scaler.unscale_(optimizer)``, then its ``found_inf`` (one host sync, the
+        one ``scaler.step`` makes anyway; ``scaler.step`` then reuses the unscaled gradients). Under
+        ``pu.attach`` the commit runs inside ``scaler.step``, which calls ``optimizer.step()`` only
+        when nothing overflowed, except for an optimizer that takes ``found_inf`` into its own kernel
+        (``fused=True``): then its ``found_inf`` is read (one host sync)."""
         scaler = self._scaler()
         if scaler is None:
             return False
-        opt = self.optimizer
-        if scaler._per_optimizer_states[id(opt)]["stage"] is OptState.READY:
+        running = self.scaler_opt is not None
+        opt = self.scaler_opt if running else self.optimizer
+        if running and not getattr(opt, "_step_supports_amp_scaling", False):
+            return False
+        state = scaler._per_optimizer_states[id(opt)]
+        if not running and state["stage"] is OptState.READY:
             scaler.unscale_(opt)
-        return bool(sum(v.item() for v in scaler._found_inf_per_device(opt).values()))
+        return bool(sum(v.item() for v in state["found_inf_per_device"].values()))
 
     def _scaler_skip(self) -> None:
         """A skipped step under a scaler: ``scaler.step`` finds the overflow and leaves the optimizer
@@ -442,6 +457,23 @@ class Commit:
             "copy_for_rollback=True (one copy of the parameters and optimizer state per step)."
         )
 
+    def release(self) -> None:
+        """The commit is over and only its schedule is kept (``schedule()``, made when first read): let go
+        of the optimizer, so that the plan of a forgotten attachment's last step keeps it alive no longer
+        than the attachment itself does (weakly)."""
+        self.optimizer = None
+        self.journal.optimizer = None
+        self._ctx = None
+
+    def skip(self) -> None:
+        """Drop the step whole, writing nothing (the scaler skipped ``optimizer.step()``): its pending
+        updates are discarded and no rule runs; counted as a skipped step."""
+        j = self.journal
+        j.state = "committing"
+        j.hide()
+        self.skipped = True
+        self._end("done")
+
     def _end(self, state: str) -> None:
         self.state = state
         self._row_groups = None
@@ -478,12 +510,12 @@ class Commit:
         order = list(self.journal.order)
         for phase in PHASES:
             if phase == GRAD:
-                if self.optimizer is not None:
+                if self.optimizer_name is not None:
                     rows.append(
                         ScheduleEntry(
                             GRAD,
                             "<optimizer parameters>",
-                            f"{type(self.optimizer).__name__}.step",
+                            f"{self.optimizer_name}.step",
                             "-",
                             str(self.label),
                         )

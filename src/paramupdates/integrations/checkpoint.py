@@ -1,6 +1,6 @@
 """Activation checkpointing that replays updates: ``pu.checkpoint`` and ``torch.utils.checkpoint``.
 
-The semantics (replay, rule 3 of ``docs/design.md``: a recomputed segment sees what
+The semantics (replay: a recomputed segment sees what
 its forward saw, and updates it issues again are dropped) live in the core,
 ``paramupdates.replay``. This module connects checkpointing mechanisms to it:
 

@@ -111,7 +111,8 @@ class ParamUpdates(pl.Callback):
             cannot share a module, so with several optimizers name disjoint
             submodules.
         **options: the step options, passed to :func:`paramupdates.attach` (``on_nonfinite``,
-            ``check_finite``, ``copy_for_rollback``, ``process_group``, ``sync_timeout``).
+            ``copy_for_rollback``, ``process_group``, ``sync_timeout``; the framework drives its own
+            GradScaler).
 
     After ``fit`` starts, :attr:`attachments` holds the
     :class:`paramupdates.Attachment` of each optimizer (``.schedule()``,

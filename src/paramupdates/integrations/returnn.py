@@ -9,8 +9,8 @@ While enabled (:func:`disable` restores RETURNN's own functions; both are idempo
 
 * the raw tensor RETURNN makes for a new ``rf.Parameter`` is a
   ``pu.Parameter`` (a ``torch.nn.Parameter`` subclass), so every read of the
-  parameter inside a step sees its pending value (rule 1 of docs/design.md:
-  program order), and nothing is written before commit (rule 2);
+  parameter inside a step sees its pending value (read-your-writes, in
+  program order), and nothing is written before commit;
 * ``rf.Parameter.assign`` / ``assign_add`` / ``assign_key`` are
   ``pu.assign`` / ``pu.assign_add`` / ``pu.assign_key`` of that raw tensor,
   in the phase of the innermost :func:`phase` block (rule 4);
@@ -840,7 +840,8 @@ def is_enabled() -> bool:
 
 @contextlib.contextmanager
 def phase(name: str | None) -> Iterator[None]:
-    """The phase of the rf updates issued inside the block (rule 4 of docs/design.md).
+    """The phase of the rf updates issued inside the block: where in the commit's fixed order they apply
+    (``before_grad``, the optimizer's step, ``after_grad``, the auxiliary phase, ``after_step``).
 
     ``rf.Parameter.assign`` has no phase argument. An update of a trainable
     parameter (one the optimizer also updates) inside a step must say whether
@@ -868,7 +869,7 @@ def phase(name: str | None) -> Iterator[None]:
 
 @contextlib.contextmanager
 def sync(how: str | None) -> Iterator[None]:
-    """Distributed sync (rule 9, docs/distributed.md) for the rf updates issued inside the block.
+    """Distributed sync for the rf updates issued inside the block: every rank commits the same value.
 
     Every update issued inside (``rf.Parameter.assign`` / ``assign_add`` /
     ``assign_key``, ``rf.BatchNorm``'s running statistics, :func:`assign` & co.
@@ -880,8 +881,8 @@ def sync(how: str | None) -> Iterator[None]:
 
     so every rank commits the same statistics, and none is lost (plain
     RETURNN under DDP keeps rank 0's). ``None`` switches sync off inside an
-    enclosing block; the innermost block wins. What docs/distributed.md
-    requires holds: only non-trainable targets (auxiliary ``rf.Parameter``\\ s,
+    enclosing block; the innermost block wins. What synced updates
+    require (docs/distributed.md) holds: only non-trainable targets (auxiliary ``rf.Parameter``\\ s,
     batch-norm statistics), all updates of a synced target of one step in one
     phase, every rank commits together (under RETURNN's Engine: inside
     ``optimizer.step()``, which every rank calls), and no DDP that broadcasts
@@ -1000,7 +1001,7 @@ def optimizer(opts: str | type | dict[str, Any] = "adam", **options: Unpack[Step
     Set ``epoch_end = paramupdates.returnn.epoch_end`` too: it commits what
     no ``optimizer.step()`` followed (the micro-batches of an incomplete
     accumulation), before RETURNN saves the model. ``**options`` (``on_nonfinite``,
-    ``check_finite``, ``copy_for_rollback``, ...): as for ``pu.attach``.
+    ``copy_for_rollback``, ``process_group``, ``sync_timeout``): as for ``pu.attach``.
 
     The returned dict sets ``param_groups_custom`` (RETURNN hands it the
     model); a ``param_groups_custom`` in ``opts`` is called from it, else

@@ -116,7 +116,8 @@ class ParamUpdates(TrainerCallback):
             if there is none. ``False``: start paramupdates' state afresh (a checkpoint saved
             without this callback).
         **options: the step options, passed to :func:`paramupdates.attach` (``on_nonfinite``,
-            ``check_finite``, ``copy_for_rollback``, ``process_group``, ``sync_timeout``).
+            ``copy_for_rollback``, ``process_group``, ``sync_timeout``; the framework drives its own
+            GradScaler).
 
     After training starts, :attr:`attachment` is the :class:`paramupdates.Attachment`
     (``.schedule()``, ``.steps``, ``.skipped_steps``); it stays readable after training ends

@@ -17,7 +17,7 @@ the increment: a cumulative average) when ``momentum=None``. ``mean_B`` and
 channel one, ``n`` the number of values per channel.
 
 The updates are auxiliary (phase ``auxiliary``: after the gradient update,
-phase order (rule 4) of ``docs/design.md``). Inside a step they are recorded and nothing is written before
+in the commit's fixed phase order). Inside a step they are recorded and nothing is written before
 commit (deferred commit, rule 2); later forwards in the same step (gradient accumulation, a
 module called twice, a checkpoint recomputation under ``pu.checkpoint``)
 read the pending statistics (read-your-writes, rule 1). Outside a step they apply at once, in

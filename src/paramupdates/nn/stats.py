@@ -62,7 +62,7 @@ def recompute_batchnorm_stats(model: nn.Module, loader: Iterable[Any], device: A
     was_training = {m: m.training for m in model.modules()}
     seen = 0
     try:
-        with Stepper(model, None, check_finite=False), torch.no_grad():
+        with Stepper(model, None), torch.no_grad():
             for m in bns:
                 m.reset_running_stats()
                 m.momentum = None

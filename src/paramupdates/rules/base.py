@@ -5,7 +5,8 @@ a subclass of :class:`Rule` and :meth:`Rule.declare`) and kept in a registry in
 declaration order. Every step whose model owns the rule's tensors applies it
 at commit, once per real optimizer update, in the rule's phase; inside a
 phase, rules run in declaration order, before the updates issued during the
-step (phase order, rule 4 of ``docs/design.md``).
+step (the commit's fixed phase order: ``before_grad``, the optimizer's step, ``after_grad``, the
+auxiliary updates, ``after_step``).
 
 Caching, one boundary each (the rows of ``benchmarks/rules.py`` they were kept for):
 
@@ -235,6 +236,11 @@ class Rule:
         """How messages name this kind of rule (``pu.weight_decay``, ``pu.constrain(max_norm)``, ...)."""
         return self.kind
 
+    def how_to_remove(self) -> str:
+        """How messages tell the user to undeclare this rule (what works with what its declaration
+        returned)."""
+        return "call .remove() on the rule object (what pu.weight_decay, pu.constrain and Rule.declare() return)"
+
     def rows(self, index: ModelIndex) -> list[ScheduleEntry]:
         """This rule's rows in ``schedule()`` (made when the schedule is shown)."""
         ts = self.tensors()
@@ -296,8 +302,8 @@ def register(rule: Rule) -> Rule:
             warnings.warn(
                 f"{rule.describe()} declared at {rule.origin} replaces the {old.describe()} declared at "
                 f"{old.origin} on {shown}: a rule of the same kind declared again on the same tensors "
-                "replaces the earlier declaration (it is never applied twice). Call .remove() on the "
-                "earlier rule first to silence this warning.",
+                "replaces the earlier declaration (it is never applied twice). To silence this warning, "
+                f"undeclare the earlier one first: {old.how_to_remove()}.",
                 UserWarning,
                 stacklevel=_user_stacklevel(),
             )
@@ -430,8 +436,8 @@ def _refuse_dead(index: ModelIndex) -> None:
             raise UpdateError(
                 f"{r.describe()} declared at {r.origin} applied to {type(model).__name__}, whose tensors it "
                 "covered are gone from the model (the module it was declared on was removed and collected). "
-                "Nothing of this step was written. Declare the rule again on the model as it is now, or call "
-                ".remove() on it."
+                "Nothing of this step was written. Declare the rule again on the model as it is now, or "
+                f"undeclare it: {r.how_to_remove()}."
             )
 
 
@@ -449,7 +455,8 @@ def _refuse_lost(index: ModelIndex) -> None:
                 f"{r.describe()} declared at {r.origin} covers {shown}, which {type(model).__name__} "
                 "no longer has under that name (a layer removed or renamed after the declaration, a wrapper "
                 "put in its place, a parametrization registered on it). Nothing of this step was written. "
-                "Declare the rule again on the model as it is now (the same call), or call .remove() on it."
+                "Declare the rule again on the model as it is now (the same call), or undeclare it: "
+                f"{r.how_to_remove()}."
             )
 
 

@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -279,7 +280,8 @@ class EMA(Rule):
                     raise UpdateError(
                         f"pu.ema (declared at {self.origin}): the model has {name!r}, which its averaged copy has "
                         f"not (the model's {kind} changed after the declaration). Declare pu.ema again on the model "
-                        "as it is now (and .remove() the old one)."
+                        "as it is now, and undeclare this one: pu.rules.ema.rule_of(ema_copy).remove(), ema_copy "
+                        "being the averaged copy that pu.ema returned."
                     )
                 names.append(name)
                 src.append(t)
@@ -392,6 +394,10 @@ class EMA(Rule):
 
     def describe(self) -> str:
         return "pu.ema"
+
+    def how_to_remove(self) -> str:
+        # pu.ema returns the averaged copy, a module of the user's class: the rule is reached from it
+        return "pu.rules.ema.rule_of(ema_copy).remove(), ema_copy being the averaged copy that pu.ema returned"
 
     def names_of(self, ids: set[int]) -> list[str]:
         return [f"the {len(self.names)} tensors of {type(self._followed()).__name__}"]
@@ -655,15 +661,18 @@ def ema(
     docstring).
 
     The returned module is a deep copy of ``model`` (in ``eval()`` mode, no
-    ``requires_grad``) to evaluate with. Tensors are bound at declaration:
+    ``requires_grad``) to evaluate with; of a ``torch.compile(model)``, a copy
+    of the module it compiles (its ``state_dict`` loads into the plain model). Tensors are bound at declaration:
     replacing a parameter or buffer object of ``model`` later (rather than
     writing it in place) is not followed. ``pu.rules.ema.rule_of(copy)`` is
-    the rule (``.updates``, ``.remove()``). ``foreach=False`` runs the
+    the rule: ``.updates`` (``t``), and ``.remove()``, which undeclares the
+    EMA (the copy stops being averaged). ``foreach=False`` runs the
     per-tensor reference path (``a.lerp_(p, 1 - d_t)`` pair by pair; bitwise the same result).
     """
     origin = call_site(2)
     if not isinstance(model, nn.Module):
         raise TypeError(f"pu.ema at {origin}: expected a torch.nn.Module, got {type(model).__name__}")
+    model = _compiled_from(model)
     refuse_inside_step("pu.ema", origin, [*model.parameters(), *model.buffers()])
     decay = float(decay)
     if not 0.0 <= decay <= 1.0 or math.isnan(decay):
@@ -699,6 +708,19 @@ def ema(
     register(rule)
     state.process.ema_copies[module] = weakref.ref(rule)
     return module
+
+
+def _compiled_from(model: nn.Module) -> nn.Module:
+    """The module that ``torch.compile(module)`` wraps, for an ``OptimizedModule`` (else ``model``).
+
+    The wrapper holds the module as ``_orig_mod``: the same tensors, under names that start with
+    ``_orig_mod.``. Its copy would not load into the plain model, so the EMA averages the module itself
+    (the wrapper's steps still apply it: they own the same tensors)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # (loaded by torch.compile; not imported here)
+    wrapper = getattr(eval_frame, "OptimizedModule", None)
+    while wrapper is not None and isinstance(model, wrapper):
+        model = model._orig_mod
+    return model
 
 
 def _slot_of(model: nn.Module, name: str) -> tuple[weakref.ref, str, str] | None:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import routing
+from . import routing, state
 from .commit import Commit
 from .errors import AccountingWarning, UpdateError, listed
 from .journal import Journal
@@ -91,6 +91,7 @@ class Attachment(Owner):
         self.journal: Journal | None = None  # the step being recorded (or committed)
         self.commit: Commit | None = None  # its commit, between the pre- and post-hook
         self._refuse_overlap(model, optimizer)
+        self._structure = state.process.structure  # (the model's sharing was checked as of this)
         self._pre = optimizer.register_step_pre_hook(self._pre_hook)
         self._post = optimizer.register_step_post_hook(self._post_hook)
         self._calls = 0
@@ -132,7 +133,11 @@ class Attachment(Owner):
                     "the submodule it steps, e.g. pu.attach(model.encoder, opt_enc) and "
                     "pu.attach(model.decoder, opt_dec), or give one optimizer param groups.)"
                 )
-            inner, outer, at = _nesting(model, self.index, other)  # type: ignore[misc]
+            nested = _nesting(model, self.index, other)  # type: ignore[arg-type]
+            if nested is None:
+                self._refuse_shared(other)  # (disjoint models that share a module)
+                continue
+            inner, outer, at = nested
             raise UpdateError(
                 f"pu.attach at {self.origin}: the {type(inner).__name__} at {at!r} of the "
                 f"{type(outer).__name__} would be attached twice (here, and by {other.label}): an update "
@@ -141,6 +146,37 @@ class Attachment(Owner):
                 "pu.attach(model.decoder, opt_dec)), or detach() the other attachment first "
                 "(pu.Attachment.of(module) finds it)."
             )
+
+    def _refuse_shared(self, other: Attachment) -> None:
+        """:class:`UpdateError` if this attachment's model and ``other``'s hold some of the same tensors: an
+        update of a shared tensor (the shared encoder's batch-norm statistics) would be routed to one of the two
+        attachments, and the other's optimizer steps would not commit it (accounted for, rule 12)."""
+        names = shared_names(self.index, other.index)
+        if not names:
+            return
+        mine, theirs = type(self.model).__name__, type(other.model).__name__
+        raise UpdateError(
+            f"{self.label}: {mine} and the {theirs} of {other.label} share {listed(list(map(repr, names)), 4)} "
+            "(a module in both models). Under two attachments, an update of a shared tensor (its batch-norm "
+            "statistics, say) would belong to one attachment only, and the other optimizer's steps would not "
+            "commit it. Attach disjoint modules, one per optimizer (e.g. pu.attach(encoder, opt_encoder), "
+            "pu.attach(head_a, opt_a), pu.attach(head_b, opt_b)); or drive these models with `with "
+            "pu.step(model, optimizer):` blocks, whose updates belong to the step's model; or detach() the "
+            "other attachment (pu.Attachment.of(model) finds it)."
+        )
+
+    def _refuse_shared_since_change(self) -> None:
+        """At a commit, after a module of an attached model changed (torch's registration hooks): refuse if
+        this attachment's model now shares tensors with another attachment's (see :meth:`_refuse_shared`)."""
+        now = state.process.structure
+        if self._structure == now or len(routing.attachments()) < 2:
+            return
+        self.index.refresh()
+        for other in routing.attachments():
+            if other is not self and other.model is not None:
+                other.index.refresh()  # type: ignore[attr-defined]
+                self._refuse_shared(other)  # type: ignore[arg-type]
+        self._structure = now
 
     # optimizer.step on the instance ----------------------------------------
     def _wrap_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -277,6 +313,11 @@ class Attachment(Owner):
             return None
         self._recover()  # the previous optimizer.step() raised, called around the wrapper
         self.open_journal()
+        try:
+            self._refuse_shared_since_change()
+        except UpdateError as exc:
+            self._abort(exc)
+            raise
         c = self.commit = self._commit(self.journal, optimizer)
         self._step_calls = self._calls
         self._hooks_running = True
@@ -341,6 +382,11 @@ class Attachment(Owner):
         j = self.journal
         if j is None:
             return
+        try:
+            self._refuse_shared_since_change()
+        except UpdateError as exc:
+            self._abort(exc)
+            raise
         self.journal = None
         c = self._commit(j, None)
         c.run()
@@ -541,12 +587,25 @@ def attach(
 
 
 def _overlapping(model: nn.Module, index: ModelIndex) -> list[Attachment]:
-    """The live attachments of ``model``, of a module inside it, or of one around it."""
+    """The live attachments of ``model``, of a module inside it, of one around it, or of a model that
+    holds some of the same tensors (one encoder shared by two task models)."""
     return [
         other  # type: ignore[misc]
         for other in routing.attachments()
-        if other.model is model or _nesting(model, index, other) is not None  # type: ignore[arg-type]
+        if other.model is model
+        or _nesting(model, index, other) is not None  # type: ignore[arg-type]
+        or shared_names(index, other.index)
     ]
+
+
+def shared_names(a: ModelIndex, b: ModelIndex) -> list[str]:
+    """The qualified names in ``a``'s model of the tensors ``b``'s model holds too (both as last indexed)."""
+    out = []
+    for info in a.by_id.values():
+        t = info.ref()
+        if t is not None and b.peek(t) is not None:
+            out.append(info.name)
+    return out
 
 
 def _warn_pending(att: Attachment, why: str) -> None:

@@ -1,0 +1,107 @@
+"""Rule 12 ("accounted for"): an ``optimizer.step()`` that updates tensors a declared rule covers, with no
+``pu.step`` / ``pu.attach`` commit applying the rule, warns once per rule, naming the rule, its declaration
+site, the tensors, the call and the fix; nothing is warned where the rules run, and nothing is registered
+(no global optimizer hook) in a program that declares no rule."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import paramupdates as pu
+from misuse_helpers import line_of
+
+
+def _loop(model: nn.Module, opt: torch.optim.Optimizer, n: int = 3) -> None:
+    for _ in range(n):
+        opt.zero_grad()
+        model(torch.randn(4, 3)).square().sum().backward()
+        opt.step()  # MARK: the bare step
+
+
+def test_a_forgotten_attach_warns_once_per_rule_naming_it_and_the_fix():
+    m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    pu.weight_decay(m, 0.1)  # MARK: the decay
+    pu.constrain(m[1], pu.max_norm(1.0))  # MARK: the constraint
+    with pytest.warns(pu.AccountingWarning) as record:
+        _loop(m, opt)
+    msgs = [str(w.message) for w in record]
+    assert len(msgs) == 2  # once per rule, not once per step
+    decay, con = msgs
+    here = "tests/test_unapplied_rules.py"
+    assert decay.startswith(f"pu.weight_decay declared at {here}:{line_of('MARK: the decay')} did not run")
+    assert con.startswith(f"pu.constrain(max_norm) declared at {here}:{line_of('MARK: the constraint')} did not run")
+    assert f"SGD.step() at {here}:{line_of('MARK: the bare step')}" in decay
+    assert "'0.weight', '1.weight'" in decay and "'weight', 'bias'" in con  # (names in the module declared on)
+    assert "pu.attach(model, optimizer)" in decay and "pu.step(model, optimizer)" in decay
+    assert all(w.filename.endswith("test_unapplied_rules.py") for w in record)  # (the user's line)
+
+
+def test_a_step_opened_without_its_optimizer_then_a_bare_optimizer_step_warns():
+    m = nn.Linear(3, 2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    avg = pu.ema(m, 0.9)
+    with pu.step(m):  # (no optimizer: the rules of the gradient update do not run here)
+        m(torch.randn(4, 3)).sum().backward()
+    with pytest.warns(pu.AccountingWarning, match=r"pu.ema declared at .* did not run: SGD.step\(\)"):
+        opt.step()
+    assert pu.rules.ema.rule_of(avg).updates == 0
+
+
+def test_a_rule_of_another_model_sharing_the_optimizer_warns_where_the_attached_model_does_not_hold_it():
+    a, b = nn.Linear(3, 2), nn.Linear(3, 2)
+    opt = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1)
+    pu.attach(a, opt)
+    pu.constrain(b, pu.max_norm(0.5))  # b's rule: a's attachment does not apply it
+    opt.zero_grad()
+    (a(torch.randn(4, 3)).sum() + b(torch.randn(4, 3)).sum()).backward()
+    with pytest.warns(pu.AccountingWarning, match="another model's, which does not hold them"):
+        opt.step()
+
+
+def test_nothing_is_warned_where_the_rules_run_or_the_optimizer_steps_nothing_they_cover():
+    m = nn.Linear(3, 2)
+    other = nn.Linear(3, 2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    other_opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    pu.weight_decay(m, 0.1)
+    pu.constrain(m, pu.max_norm(1.0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pu.step(m, opt):
+            m(torch.randn(4, 3)).sum().backward()
+        att = pu.attach(m, opt)
+        _loop(m, opt)
+        _loop(other, other_opt)  # an optimizer of tensors no rule covers
+        att.detach()
+        opt.zero_grad()
+        opt.step()  # no gradient: the optimizer updates nothing
+    assert att.steps == 3
+
+
+def test_a_program_without_rules_registers_no_global_optimizer_hook():
+    """The check costs nothing where no rule is declared: torch's global optimizer hooks stay empty until
+    the first declaration (a fresh process: the suite's other tests declared rules)."""
+    code = textwrap.dedent(
+        """
+        import torch
+        from torch.optim import optimizer as o
+        import paramupdates as pu
+        m = torch.nn.Linear(2, 2); opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        att = pu.attach(m, opt)
+        m(torch.ones(1, 2)).sum().backward(); opt.step()
+        assert not o._global_optimizer_post_hooks and not o._global_optimizer_pre_hooks, "registered"
+        pu.weight_decay(m, 0.1)
+        assert len(o._global_optimizer_post_hooks) == 1 and len(o._global_optimizer_pre_hooks) == 1
+        print("ok")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -151,11 +151,13 @@ class UpdateSafeBatchNorm:
         sync = self._sync()
         if sync is None:
             issue_computed(
-                [*counted, (rm, "assign", new_mean, new_mean), (rv, "assign", new_var, new_var)], None, 3, origin
+                [*counted, (rm, "assign", new_mean, new_mean), (rv, "assign", new_var, new_var)], None, 3, origin, self
             )
         else:  # the statistics are synced across ranks; the counter is not (every rank counts alike)
-            issue_computed(counted, None, 3, origin)
-            issue_computed([(rm, "assign", new_mean, new_mean), (rv, "assign", new_var, new_var)], sync, 3, origin)
+            issue_computed(counted, None, 3, origin, self)
+            issue_computed(
+                [(rm, "assign", new_mean, new_mean), (rv, "assign", new_var, new_var)], sync, 3, origin, self
+            )
         return out
 
     def _stats(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:

@@ -1,5 +1,7 @@
 """Rule 10: updates of tensors produced by torch.nn.utils.parametrize go through right_inverse."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -167,3 +169,59 @@ def test_eager_assign_of_a_parametrized_weight():
         ref.weight = value
     pu.assign(mod.weight, value)
     assert_same(snapshot(ref), snapshot(mod))
+
+
+# --- issue 37, case d: an eager update before paramupdates ever saw the model -------------------------
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+def test_eager_assign_of_a_parametrized_weight_before_the_model_was_ever_stepped(grad):
+    """Rule 10 with rule 8: the parametrization is recognised from its registration on (torch's global
+    module registration hook), so an eager update goes through right_inverse as inside a step, also
+    where the weight is read under no_grad (no grad_fn to tell it is computed). Failed before: the
+    value was written into the temporary weight and lost."""
+    ref, mod = _wn(), _wn()
+    value = torch.randn(4, 3)
+    with torch.no_grad():
+        ref.weight = value
+    with torch.set_grad_enabled(grad):
+        pu.assign(mod.weight, value)
+    assert_same(snapshot(ref), snapshot(mod))  # original0, original1 bitwise as PyTorch's setter
+
+
+def test_an_eager_update_of_a_computed_tensor_raises_and_writes_nothing():
+    """A computed tensor no parametrization maps back (it has a grad_fn and is not a view) is refused
+    outside a step as inside one: written in place it would change a temporary (failed before: it was
+    written, silently lost)."""
+    lin = nn.Linear(3, 4)
+    before = snapshot(lin)
+    doubled = lin.weight * 2
+    kept = doubled.detach().clone()
+    with pytest.raises(pu.UpdateError) as ei:
+        pu.assign(doubled, torch.zeros(4, 3))
+    line = ei.traceback[0].lineno + 1  # (pytest's traceback lines count from 0)
+    msg = str(ei.value)
+    assert "shape=(4, 3)" in msg and "MulBackward0" in msg and f"test_parametrize.py:{line}:" in msg
+    assert "Nothing was written" in msg and "parametrizations.<name>.original" in msg
+    assert torch.equal(bits(doubled.detach()), bits(kept))
+    assert_same(before, snapshot(lin))
+
+
+def test_an_eager_update_of_a_view_of_a_parameter_writes_into_it():
+    """A view of a stored tensor (``p[0]``, which has a grad_fn) is no computed tensor: it writes through."""
+    p = nn.Parameter(torch.zeros(2, 3))
+    pu.assign(p[0], torch.ones(3))
+    pu.assign_add(p[1:], torch.full((1, 3), 2.0))
+    assert torch.equal(p.detach(), torch.tensor([[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]]))
+
+
+def test_a_deep_copy_of_an_indexed_parametrized_module_updates_its_own_originals():
+    """The hook that recognises a parametrization's output records the list it runs on: a deep copy's
+    hook (copied with the module) names the copy's list (failed before: the copy's weight mapped to
+    the original module's originals, which took the update)."""
+    lin = _wn()
+    pu.Stepper(lin)  # indexed: its parametrization is hooked (and named)
+    twin = copy.deepcopy(lin)
+    before = snapshot(lin)
+    value = torch.randn(4, 3)
+    pu.assign(twin.weight, value)
+    assert_same(before, snapshot(lin))
+    torch.testing.assert_close(twin.weight, value)

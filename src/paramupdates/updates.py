@@ -81,6 +81,8 @@ def issue(
         _local.replay.eager_write(op, target, operand, key, pred)
         return
     # Outside a step: eager, in place, under no_grad (eager outside a step, rule 8).
+    if target.grad_fn is not None and target._base is None:
+        _refuse_computed(target, op, origin)
     try:
         check_operand(op, target, operand, key, describe(target), origin)
     except UpdateError:
@@ -104,6 +106,20 @@ def issue(
         )
         return
     apply_inplace(op, target, operand, key, pred)
+
+
+def _refuse_computed(t: torch.Tensor, op: str, origin: Any) -> None:
+    """An eager update of a computed tensor that no resolver maps back (not a view: a view of a stored
+    tensor, ``p[0]``, writes into it): written in place it would change a temporary and be lost."""
+    raise UpdateError(
+        f"pu.{op} on {describe(t)} at {origin}: the target is a computed tensor (it has a grad_fn, "
+        f"{type(t.grad_fn).__name__}, and is not a view of a stored tensor), so writing into it would change no "
+        "parameter or buffer and the update would be lost. Nothing was written. Update the stored tensor it is "
+        "computed from: for a parametrized weight (torch.nn.utils.parametrize) registered before paramupdates was "
+        "imported, module.parametrizations.<name>.original (original0, original1, ...), or first let "
+        "paramupdates index its model (pu.Stepper(model), pu.attach, pu.convert), after which an update of "
+        "module.<name> goes through right_inverse."
+    )
 
 
 def issue_computed(

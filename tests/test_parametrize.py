@@ -7,8 +7,10 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import orthogonal, weight_norm
+from torch.nn.utils.parametrizations import spectral_norm as torch_spectral_norm
 
 import paramupdates as pu
+from paramupdates import state
 from paramupdates.phases import AFTER_GRAD
 from paramupdates.rules.base import Rule, register
 
@@ -225,3 +227,55 @@ def test_a_deep_copy_of_an_indexed_parametrized_module_updates_its_own_originals
     pu.assign(twin.weight, value)
     assert_same(before, snapshot(lin))
     torch.testing.assert_close(twin.weight, value)
+
+
+# --- issue 37, case c: a rule declared on a parametrized weight -------------------------------------
+_PARAMETRIZE = {
+    "weight_norm": (weight_norm, "_WeightNorm", "original0"),
+    "orthogonal": (orthogonal, "_Orthogonal", "original"),
+    "spectral_norm": (torch_spectral_norm, "_SpectralNorm", "original"),
+}
+_RULES = {
+    "constrain": lambda w: pu.constrain(w, pu.max_norm(1.0)),
+    "weight_decay": lambda w: pu.weight_decay([w], 0.1),
+}
+
+
+@pytest.mark.parametrize("rule", list(_RULES))
+@pytest.mark.parametrize("how", list(_PARAMETRIZE))
+def test_a_rule_declared_on_a_parametrized_weight_is_refused_at_declaration(how, rule):
+    """Failed before: accepted, held weakly by a temporary that died at once, absent from schedule().
+    Refused, naming the weight, its parametrization and what to declare instead; nothing declared."""
+    parametrization, kind, original = _PARAMETRIZE[how]
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.ReLU(), parametrization(nn.Linear(4, 4)))
+    before = list(state.process.rules)
+    with pytest.raises(pu.UpdateError) as ei:
+        _RULES[rule](net[1].weight)
+    line = _RULES[rule].__code__.co_firstlineno  # the declaring line (the lambda's)
+    msg = str(ei.value)
+    assert f"pu.{rule} at " in msg and f"test_parametrize.py:{line}:" in msg
+    assert f"'weight' (the output of the parametrization {kind}" in msg
+    assert f"'parametrizations.weight.{original}'" in msg and "or the module that holds it" in msg
+    assert state.process.rules == before
+    pu.Stepper(net)  # indexed: the names are qualified in the model
+    with pytest.raises(pu.UpdateError, match=rf"'1\.weight'.*'1\.parametrizations\.weight\.{original}'"):
+        _RULES[rule](net[1].weight)
+
+
+def test_a_rule_on_any_computed_tensor_is_refused_at_declaration():
+    lin = nn.Linear(3, 4)
+    with pytest.raises(pu.UpdateError, match=r"'0' \(a computed tensor: it has a grad_fn, MulBackward0"):
+        pu.weight_decay([lin.weight * 1.0], 0.1)
+
+
+def test_a_rule_on_the_module_of_a_parametrized_weight_applies_to_its_originals():
+    """What the refusal proposes works: declared on the module, the rule covers the originals."""
+    lin = _wn()
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    pu.weight_decay(lin, 0.1, exclude=None)
+    with pu.step(lin, opt) as s:
+        lin(torch.randn(5, 3)).sum().backward()
+    assert s.schedule().targets("before_grad") == [
+        "3 tensors (bias, parametrizations.weight.original0, parametrizations.weight.original1)"
+    ]

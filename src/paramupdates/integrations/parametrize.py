@@ -30,9 +30,12 @@ a rule declared on it); until then an update of their output, a computed
 tensor, is refused (``updates.issue``), never written into a temporary.
 
 Registered into the core as a module visitor (which hooks each
-``ParametrizationList`` of an indexed model and gives it its qualified name)
-and a target resolver (which maps an update of its output to updates of the
-originals): ``hooks.register_module_visitor``, ``hooks.register_target_resolver``.
+``ParametrizationList`` of an indexed model and gives it its qualified name),
+a target resolver (which maps an update of its output to updates of the
+originals) and a computed-tensor source (what a rule declared on the output
+should be declared on: ``rules.common.check_declared``):
+``hooks.register_module_visitor``, ``hooks.register_target_resolver``,
+``hooks.register_computed_source``.
 """
 
 from __future__ import annotations
@@ -163,11 +166,27 @@ def resolve(
     return inverse(plist, name, op, target, operand, key, origin)
 
 
+def computed_source(t: torch.Tensor) -> tuple[str, str] | None:
+    """The computed-tensor source: ``(name, what to declare instead)`` when ``t`` is a
+    parametrization's output."""
+    src = source(t)
+    if src is None:
+        return None
+    plist, name = src
+    kinds = ", ".join(type(p).__name__ for p in plist)
+    return (
+        f"{name!r} (the output of the parametrization {kinds}, torch.nn.utils.parametrize)",
+        f"the stored tensor(s) it is computed from, {_orig_names(plist, name)}, or the module that holds it "
+        "(its parameters are those originals)",
+    )
+
+
 def install() -> list[RemovableHandle]:
-    """Register the module visitor, the target resolver, and torch's global module registration
-    hook (``paramupdates/__init__.py`` calls it)."""
+    """Register the module visitor, the target resolver, the computed-tensor source, and torch's
+    global module registration hook (``paramupdates/__init__.py`` calls it)."""
     return [
         hooks.register_module_visitor(track),
         hooks.register_target_resolver(resolve),
+        hooks.register_computed_source(computed_source),
         nn.modules.module.register_module_module_registration_hook(_on_registration),
     ]

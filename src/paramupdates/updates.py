@@ -81,8 +81,8 @@ def issue(
         _local.replay.eager_write(op, target, operand, key, pred)
         return
     # Outside a step: eager, in place, under no_grad (eager outside a step, rule 8).
-    if target.grad_fn is not None and target._base is None:
-        _refuse_computed(target, op, origin)
+    if not isinstance(target, torch.nn.Parameter) and target.grad_fn is not None and target._base is None:
+        _refuse_computed(target, op, origin)  # (a Parameter is a leaf: no attribute read through its subclass)
     try:
         check_operand(op, target, operand, key, describe(target), origin)
     except UpdateError:

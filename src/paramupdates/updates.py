@@ -171,7 +171,7 @@ def _route(t: torch.Tensor, origin: Any, op: str, how: Lookup, computed: Compute
     if j is None:
         steps = routing.explicit()
         if steps:
-            if computed is not None:
+            if computed is not None and not reparametrizing():  # (torch.func: _refuse_foreign says what to do)
                 _refuse_foreign_module(steps[-1], computed, origin)
             _refuse_foreign(steps[-1], t, origin, op)
     return j, e

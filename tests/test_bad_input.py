@@ -120,7 +120,7 @@ def test_parameter_of_another_model():
         with pu.step(m):
             line = _line()
             pu.assign_add(other.acc, 1.0)
-    check_message(str(ei.value), "'acc' of Counter", line, "nn.ModuleDict", "outside the step")
+    check_message(str(ei.value), "'acc' of Counter", line, "nn.ModuleList", "pu.attach(other", "outside the step")
     assert_same(before, snapshot(m, other))
 
 

@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 import paramupdates as pu
-import paramupdates.nn.batchnorm as pu_batchnorm
 
 from conftest import bits
 
@@ -143,21 +142,44 @@ def test_sync_stats_issues_mean_synced_updates():
     }
 
 
-def test_schedule_origin_is_the_module():
+class _CallsItsNorm(nn.Module):
+    def __init__(self, norm):
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, x):
+        return self.norm(x)  # the line the statistics show
+
+
+def _line_before() -> str:
+    """``file:line`` of the line before the caller's."""
+    f = inspect.currentframe().f_back
+    return f"{f.f_code.co_filename.rsplit('/', 1)[-1]}:{f.f_lineno - 1}"
+
+
+def test_schedule_origin_is_the_users_call_of_the_module():
+    """Issue 38: a batch norm's statistics show the user's line that called the module (the frames of
+    pu.nn and torch.nn between are skipped), never a line inside paramupdates: in a module of the
+    user's, through nn.Sequential, through Stepper.run, and on the synced path alike."""
     mod = pu.nn.BatchNorm1d(4)
     s = pu.Stepper(mod)
     s.run(mod, torch.randn(8, 4))
+    site = _line_before()
     assert [r.phase for r in s.schedule()] == ["auxiliary"] * 3
-    assert all("paramupdates/nn/batchnorm.py:" in r.origin for r in s.schedule())
-    # the line of forward that issues them (kept once, not captured per call): the same line that
-    # a capture in that frame finds, for a plain module and for the synced path alike
-    lines, start = inspect.getsourcelines(pu_batchnorm.UpdateSafeBatchNorm.forward)
-    line = start + next(i for i, text in enumerate(lines) if "self._train_with_stats(" in text)
-    assert all(r.origin.endswith(f"batchnorm.py:{line}") for r in s.schedule())
-    synced = pu.nn.BatchNorm1d(4, sync_stats=True)
-    s2 = pu.Stepper(synced)
-    s2.run(synced, torch.randn(8, 4))
-    assert all(r.origin.endswith(f"batchnorm.py:{line}") for r in s2.schedule())
+    assert all(r.origin.endswith(site) for r in s.schedule()), s.schedule()
+    for sync_stats in (False, True):
+        net = _CallsItsNorm(pu.nn.BatchNorm1d(4, sync_stats=sync_stats))
+        with pu.step(net) as s2:
+            net(torch.randn(8, 4))
+        lines, start = inspect.getsourcelines(_CallsItsNorm.forward)
+        line = start + next(i for i, text in enumerate(lines) if "self.norm(x)" in text)
+        assert all(r.origin.endswith(f"test_batchnorm.py:{line}") for r in s2.schedule()), s2.schedule()
+    seq = nn.Sequential(nn.Linear(4, 4), pu.nn.BatchNorm1d(4))
+    with pu.step(seq) as s3:
+        seq(torch.randn(8, 4))
+        site = _line_before()
+    assert all(r.origin.endswith(site) for r in s3.schedule()), s3.schedule()
+    assert not any("paramupdates" in r.origin for sched in (s, s2, s3) for r in sched.schedule())
 
 
 def test_reset_running_stats_in_a_step_is_pending():

@@ -205,8 +205,8 @@ def test_batch_norm_gradient_accumulation_compiles_per_position_not_per_step(mod
 
 @pytest.mark.parametrize("sync_stats", [False, True])
 def test_batch_norm_schedule_equals_eager_origins_included(sync_stats):
-    """The statistics' origin is the line of the batch norm's forward that issues them, in a compiled
-    forward too (a trace-time constant; it showed the line inside _train_with_stats before)."""
+    """The statistics' origin is the user's line that called the module (BNNet.forward's call of its
+    body), in a compiled forward too (a trace-time constant of the tracing support)."""
     plans = []
     for compiled in (False, True):
         m, opt = _make(lambda: BNNet(lambda n: pu.nn.BatchNorm1d(n, sync_stats=sync_stats)))
@@ -216,7 +216,8 @@ def test_batch_norm_schedule_equals_eager_origins_included(sync_stats):
         plans.append(list(s.schedule()))
     assert plans[0] == plans[1]
     origins = {r.origin for r in plans[1] if r.phase == "auxiliary"}
-    assert len(origins) == 1 and next(iter(origins)).split(":")[0].endswith("paramupdates/nn/batchnorm.py")
+    line = BNNet.forward.__code__.co_firstlineno + 1
+    assert len(origins) == 1 and next(iter(origins)).endswith(f"test_compile.py:{line}"), origins
 
 
 def test_a_parametrized_tensor_alive_elsewhere_breaks_the_graph_but_not_the_result():
@@ -242,6 +243,31 @@ def test_a_parametrized_tensor_alive_elsewhere_breaks_the_graph_but_not_the_resu
     _check_same(eager, (m3, o3, _train("step", m3, o3, torch.compile(m3, backend="eager"), batches)))
     del held
     gc.collect()  # (none alive: the next tests trace with no break)
+
+
+class WeightNormNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.utils.parametrizations.weight_norm(nn.Linear(3, 4))
+        self.bn = pu.nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.bn(self.lin(x))
+
+
+def test_a_parametrized_model_compiles_with_fullgraph():
+    """The hook that recognises a parametrization's outputs (rule 10) records nothing while dynamo
+    traces, which cannot trace its weakly keyed dictionary: a parametrized model that pu steps (and
+    any parametrized model, hooked from its registration on) compiles with ``fullgraph=True``, equal
+    to eager bitwise, schedules included. Failed before: Unsupported (WeakIdKeyDictionary.__setitem__)."""
+    gc.collect()  # (no parametrization output of an earlier test alive: see the test above)
+    batches = _batches(3)
+    m1, o1 = _make(WeightNormNet)
+    eager = (m1, o1, _train("step", m1, o1, m1, batches))
+    gc.collect()
+    m2, o2 = _make(WeightNormNet)
+    compiled = torch.compile(m2, fullgraph=True, backend="eager")
+    _check_same(eager, (m2, o2, _train("step", m2, o2, compiled, batches)))
 
 
 def test_explain_reports_no_graph_break():

@@ -58,6 +58,25 @@ def test_a_whole_pu_model_loads_with_weights_only():
     assert torch.equal(back(x), net(x))
 
 
+def test_a_stepped_model_saved_whole_loads_with_weights_only():
+    """A model paramupdates has indexed (stepped, attached, or converted) carries the state_dict hooks
+    that keep serialization on stored values; they are safe globals (failed before: 'Unsupported global:
+    paramupdates.guards.committed_state', then torch's _WrappedHook of the load pre-hook)."""
+    torch.manual_seed(0)
+    net = pu.convert(Net())
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x = torch.randn(4, 2, 5, 5)
+    with pu.step(net, opt):
+        net(x).sum().backward()
+    with torch.serialization.safe_globals([Net, nn.Conv2d]):
+        back = _round_trip(net)
+    assert_same(snapshot(net), snapshot(back))
+    with pu.step(back):  # the loaded model's hooks work: a state_dict inside its step holds stored values
+        back(x)
+        assert int(back.state_dict()["bn.num_batches_tracked"]) == 1
+    assert int(back.bn.num_batches_tracked) == 2
+
+
 def test_stepper_state_with_an_ema_round_trips_with_weights_only():
     m = pu.convert(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)))
     opt = torch.optim.SGD(m.parameters(), lr=0.1)

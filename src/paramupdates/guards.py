@@ -245,6 +245,11 @@ def guard_module(module: nn.Module) -> None:
         guarded.add(module)
 
 
+# A model saved whole (torch.save(model)) keeps these hooks (the load pre-hook in torch's _WrappedHook, which
+# holds nothing but the hook and its module): it loads with torch.load(weights_only=True), stepped or not.
+torch.serialization.add_safe_globals([committed_state, refuse_load, nn.modules.module._WrappedHook])
+
+
 # --- deepcopy -------------------------------------------------------------------------------------------
 def _deepcopy_tensor(x: torch.Tensor, memo: dict[int, Any]) -> Any:
     """``copy.deepcopy`` of a plain tensor: a pending value shown in a module's buffer slot, copied as

@@ -13,6 +13,9 @@ target resolvers       at each update, before routing: a tensor that   ``integra
                        is computed from stored ones (transformed parameters, rule 10) becomes   (``right_inverse``)
                        updates of those
 module visitors        for each submodule when a model is indexed      ``integrations.parametrize``
+computed sources       at a rule's declaration: what a computed        ``integrations.parametrize``
+                       tensor (a parametrization's output) is
+                       computed from, to declare the rule on instead
 segment probes         at each update: the activation-checkpointing    ``integrations.checkpoint``
                        segment whose forward is running, if any        (``torch.utils.checkpoint``)
                        (replay, rule 3)
@@ -80,6 +83,30 @@ def register_module_visitor(fn: ModuleVisitor) -> RemovableHandle:
     handle = RemovableHandle(module_visitors)
     module_visitors[handle.id] = fn
     return handle
+
+
+# --- computed sources (a rule declared on a computed tensor) ------------------------------------------
+ComputedSource = Callable[["torch.Tensor"], "tuple[str, str] | None"]
+"""``t -> (how to name t, what to declare a rule on instead)`` when ``t`` is a computed tensor the
+integration knows (a parametrization's output), else ``None``."""
+
+computed_sources: OrderedDict[int, ComputedSource] = OrderedDict()
+
+
+def register_computed_source(fn: ComputedSource) -> RemovableHandle:
+    """Say what a computed tensor is computed from, so that a rule declared on it is refused with the fix."""
+    handle = RemovableHandle(computed_sources)
+    computed_sources[handle.id] = fn
+    return handle
+
+
+def computed_source(t: torch.Tensor) -> tuple[str, str] | None:
+    """What the registered computed sources say of ``t`` (the first that knows it), or ``None``."""
+    for fn in computed_sources.values():
+        found = fn(t)
+        if found is not None:
+            return found
+    return None
 
 
 # --- segment probes (replay, rule 3) ---------------------------------------------------

@@ -28,6 +28,7 @@ from . import hooks, overlay, sharding, state
 from .errors import AmbiguousOrderError, UpdateError
 from .lookup import EAGER, Lookup
 from .ops import apply_op, as_issued, check_operand, normal, overwritten
+from .origin import issued as issued_by
 from .phases import AUXILIARY, ISSUE_PHASES, RECORD_PHASES
 from .records import Entry, Issued, Record, Row
 from .targets import ModelIndex
@@ -241,7 +242,7 @@ class Journal:
         if phase is None or phase == AUXILIARY:
             if e.trainable:
                 raise AmbiguousOrderError(
-                    f"pu.{op} on {e.name!r} at {origin} has no phase, but {e.name!r} is trainable "
+                    f"{issued_by(op, e.name, origin)} has no phase, but {e.name!r} is trainable "
                     "(the optimizer also updates it), so the order of the two updates is ambiguous. "
                     "Pass phase='before_grad' to apply it before the gradient update, or "
                     "phase='after_grad' to apply it after."
@@ -249,15 +250,15 @@ class Journal:
             phase = AUXILIARY
         elif phase not in RECORD_PHASES:
             raise UpdateError(
-                f"pu.{op} on {e.name!r} at {origin}: unknown phase {phase!r}; use one of "
+                f"{issued_by(op, e.name, origin)}: unknown phase {phase!r}; use one of "
                 f"{', '.join(map(repr, ISSUE_PHASES))}."
             )
         if sync is not None or e.sync is not None:
             fn = f"pu.{op}"
-            hooks.sync_backend(f"{fn} on {e.name!r} at {origin}").check_update(self, e, sync, phase, fn, origin)
+            hooks.sync_backend(issued_by(op, e.name, origin)).check_update(self, e, sync, phase, fn, origin)
         if self.done_phases and phase in self.done_phases:
             raise UpdateError(
-                f"pu.{op} on {e.name!r} at {origin} with phase={phase!r} was issued after that phase was "
+                f"{issued_by(op, e.name, origin)} with phase={phase!r} was issued after that phase was "
                 f"committed (inside optimizer.step()). Issue it before the optimizer step, or use a later phase."
             )
         replay = _local.replay
@@ -338,7 +339,7 @@ class Journal:
         segment's forward notes the segment's entry values (replay, rule 3)."""
         if _graph_task_id() != -1:
             raise UpdateError(
-                f"pu.{op} on {name!r} at {origin} was issued during backward (from a hook, or from "
+                f"{issued_by(op, name, origin)} was issued during backward (from a hook, or from "
                 "the recomputation of torch.utils.checkpoint with use_reentrant=True). Updates issued in "
                 "backward would be applied twice or out of order: issue them in forward, and use "
                 "pu.checkpoint (or torch.utils.checkpoint with use_reentrant=False) for activation "
@@ -361,7 +362,7 @@ class Journal:
         if self.done_phases and AUXILIARY in self.done_phases:
             self.record(items[0][0], "assign", items[0][3], None, None, sync, origin, True, how)  # raises
         if replay is None and not how.traced:
-            self._refuse_in_backward(items[0][0].name, "assign", origin)
+            self._refuse_in_backward(items[0][0].name, items[0][1], origin)
         cond = _local.conditions[-1]
         pred = cond if isinstance(cond, torch.Tensor) else None
         inference = not how.traced and torch.is_inference_mode_enabled()

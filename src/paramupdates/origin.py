@@ -1,9 +1,14 @@
 """Call sites: the ``file:line`` of the user code that issued an update or declared a rule.
 
 :func:`capture` is on the path of every update, so it is cheap: it walks the
-frames to the first one outside paramupdates and torch (the verdict per code
-object is cached) and keeps ``(filename, line)``; the text is made only when
-shown (an error, ``schedule()``). Paths under the working directory are shown
+frames to the first one outside paramupdates and torch (the verdict per file
+is cached) and keeps ``(filename, line)``; the text is made only when
+shown (an error, ``schedule()``). An update that a module issues from its
+forward (``pu.nn``'s batch norm statistics) has as call site the user's line
+that called the module: the frames of ``pu.nn`` and ``torch.nn`` between the
+two are skipped like any other of paramupdates' and torch's, and the origin
+says what the module updated (:attr:`Origin.by`), so that messages name it in
+the user's terms (:func:`issued`). Paths under the working directory are shown
 relative to it, so that a schedule printed by the same script is the same
 from run to run. While ``torch.compile`` traces, the frames are dynamo's: the
 registered tracing support (``hooks.register_tracing_support``) gives the
@@ -20,10 +25,8 @@ import torch
 from . import hooks, state
 
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-# Modules built on the mechanism (pu.nn) are where their updates are issued:
-# their lines are shown, not skipped.
-_USER_SUBDIRS = tuple(_PKG_DIR + d + os.sep for d in ("nn",))
-# The demo is user code that ships in the package: its lines are shown too.
+# The demo is user code that ships in the package: its lines are shown (every other file of the
+# package is skipped, pu.nn's modules included: their updates show the line that called the module).
 _USER_FILES = (_PKG_DIR + "demo.py",)
 _TORCH_DIR = os.path.dirname(os.path.abspath(sys.modules["torch"].__file__)) + os.sep
 _CWD = os.getcwd() + os.sep
@@ -32,7 +35,7 @@ _CWD = os.getcwd() + os.sep
 def is_internal(filename: str) -> bool:
     """Whether frames of ``filename`` are skipped when looking for the user's call site."""
     if filename.startswith(_PKG_DIR):
-        return not (filename.startswith(_USER_SUBDIRS) or filename in _USER_FILES)
+        return filename not in _USER_FILES
     return (
         filename.startswith(_TORCH_DIR)
         or filename.startswith("<frozen")
@@ -47,7 +50,7 @@ def relative(filename: str) -> str:
 
 
 def _forget_verdicts() -> None:
-    state.process.internal_code.clear()
+    state.process.internal_by_file.clear()
 
 
 hooks.internal_files_changed.append(_forget_verdicts)
@@ -84,14 +87,18 @@ class Shown:
 
 
 class Origin(Shown):
-    """Where an update was issued: shown as ``file:line``."""
+    """Where an update was issued: shown as ``file:line``.
 
-    __slots__ = ("file", "line")
+    ``by``: for an update a module issued from its forward, what the module updated, in the user's
+    terms (``"BatchNorm2d running statistics"``); the line is then the user's call of the module."""
 
-    def __init__(self, file: str, line: int) -> None:
+    __slots__ = ("file", "line", "by")
+
+    def __init__(self, file: str, line: int, by: str | None = None) -> None:
         self._text = None  # (not super().__init__(): one made per update)
         self.file = file
         self.line = line
+        self.by = by
 
     def _make(self) -> str:
         return f"{relative(self.file)}:{self.line}"
@@ -112,10 +119,11 @@ class Label(Shown):
         return f"{self.what} at {self.origin}"
 
 
-def capture(depth: int = 2, compiling: bool | None = None) -> Origin | str:
+def capture(depth: int = 2, compiling: bool | None = None, by: str | None = None) -> Origin | str:
     """The call site of the first frame (from ``depth`` up) outside paramupdates and torch.
 
-    Returns an :class:`Origin` (formatted when shown), or a string while dynamo traces.
+    Returns an :class:`Origin` (formatted when shown; ``by``: see :class:`Origin`), or a string
+    while dynamo traces.
     """
     if compiling if compiling is not None else torch.compiler.is_compiling():
         support = hooks.tracing()
@@ -125,18 +133,31 @@ def capture(depth: int = 2, compiling: bool | None = None) -> Origin | str:
     except ValueError:  # pragma: no cover - shallow stack
         return "<unknown>"
     first = f
-    cache = state.process.internal_code
+    cache = state.process.internal_by_file
     while f is not None:
-        code = f.f_code
-        internal = cache.get(code)
+        # keyed by the file name (a str caches its hash), not the code object: hashing a code object
+        # hashes its bytecode and constants, 1.5 us for Module._call_impl, every time
+        file = f.f_code.co_filename
+        internal = cache.get(file)
         if internal is None:
-            if len(cache) >= 4096:  # code objects of re-run notebook cells: keep the cache bounded
+            if len(cache) >= 4096:  # the files of re-run notebook cells: keep the cache bounded
                 cache.clear()
-            internal = cache[code] = is_internal(code.co_filename)
+            internal = cache[file] = is_internal(file)
         if not internal:
-            return Origin(code.co_filename, f.f_lineno)
+            return Origin(file, f.f_lineno, by)
         f = f.f_back
-    return Origin(first.f_code.co_filename, first.f_lineno)
+    return Origin(first.f_code.co_filename, first.f_lineno, by)
+
+
+def issued(op: str, name: str, origin: Origin | str) -> str:
+    """How a message names one update: ``pu.assign on 'w' at train.py:3``; for an update a module
+    issued from its forward (``origin.by``), in the user's terms, since the user never called
+    ``pu.assign``: ``the update of '4.running_mean' (BatchNorm2d running statistics) by the call of
+    the module at train.py:3``."""
+    by = getattr(origin, "by", None)
+    if by is None:
+        return f"pu.{op} on {name!r} at {origin}"
+    return f"the update of {name!r} ({by}) by the call of the module at {origin}"
 
 
 def user_stacklevel() -> int:

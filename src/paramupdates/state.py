@@ -26,7 +26,6 @@ from __future__ import annotations
 import collections
 import itertools
 import threading
-import types
 import weakref
 from typing import Any
 
@@ -136,9 +135,9 @@ class Process:
         """The output tensor of a ``torch.nn.utils.parametrize`` parametrization (held weakly) -> its
         ``ParametrizationList`` (a weak reference) and the parametrized tensor's display name
         (``integrations.parametrize``: updates of it go through ``right_inverse``, rule 10)."""
-        self.internal_code: dict[types.CodeType, bool] = {}
-        """Per code object: whether its frames are skipped when finding a call site (``origin``).
-        Code objects are kept by the functions they belong to; the dict is bounded (4096)."""
+        self.internal_by_file: dict[str, bool] = {}
+        """Per source file name: whether its frames are skipped when finding a call site (``origin``).
+        Bounded (4096: the files of re-run notebook cells)."""
 
     def clear(self) -> None:
         self.steps.clear()

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from . import hooks, lookup, overlay, routing, state
-from .errors import UpdateError
+from .errors import UpdateError, listed
 from .journal import Journal
 from .lookup import Lookup
 from .ops import apply_inplace, check_operand
@@ -87,6 +87,8 @@ def issue(
         _local.replay.eager_write(op, target, operand, key, pred)
         return
     # Outside a step: eager, in place, under no_grad (eager outside a step, rule 8).
+    if not isinstance(target, torch.nn.Parameter) and target.grad_fn is not None and target._base is None:
+        _refuse_computed(target, op, origin)  # (a Parameter is a leaf: no attribute read through its subclass)
     try:
         check_operand(op, target, operand, key, describe(target), origin)
     except UpdateError:
@@ -112,11 +114,26 @@ def issue(
     apply_inplace(op, target, operand, key, pred)
 
 
+def _refuse_computed(t: torch.Tensor, op: str, origin: Any) -> None:
+    """An eager update of a computed tensor that no resolver maps back (not a view: a view of a stored
+    tensor, ``p[0]``, writes into it): written in place it would change a temporary and be lost."""
+    raise UpdateError(
+        f"pu.{op} on {describe(t)} at {origin}: the target is a computed tensor (it has a grad_fn, "
+        f"{type(t.grad_fn).__name__}, and is not a view of a stored tensor), so writing into it would change no "
+        "parameter or buffer and the update would be lost. Nothing was written. Update the stored tensor it is "
+        "computed from: for a parametrized weight (torch.nn.utils.parametrize) registered before paramupdates was "
+        "imported, module.parametrizations.<name>.original (original0, original1, ...), or first let "
+        "paramupdates index its model (pu.Stepper(model), pu.attach, pu.convert), after which an update of "
+        "module.<name> goes through right_inverse."
+    )
+
+
 def issue_computed(
     updates: list[tuple[torch.Tensor, str, Any, torch.Tensor]],
     sync: str | None = None,
     depth: int = 3,
     origin: Origin | str | None = None,
+    module: Any = None,
 ) -> None:
     """Issue auxiliary updates whose new values the caller computed (``pu.nn``'s statistics).
 
@@ -124,9 +141,10 @@ def issue_computed(
     caller read (the pending one, read-your-writes); ``op`` and ``operand`` are what the schedule
     shows and what the commit folds if the target has other updates in the step. The call site,
     the condition and the journal are looked up once for all of them (``origin``: the call site,
-    when the caller knows it: a ``pu.nn`` module's fixed line, as an :class:`Origin` or, while
-    dynamo traces, as a trace-time constant string). The values are trusted: made by the caller for
-    these updates alone, of the targets' shape, dtype and device.
+    when the caller knows it: the user's call of a ``pu.nn`` module, naming what it updates,
+    ``Origin.by``). ``module``: the module whose forward issues them (named in the error when a
+    step of another model is in progress). The values are trusted: made by the caller for these
+    updates alone, of the targets' shape, dtype and device.
     """
     if _local.conditions[-1] is False or not updates:
         return
@@ -137,7 +155,7 @@ def issue_computed(
         j = routing.journal_for(updates[0][0], how)
         if j is not None and j.record_rows(updates, origin, how):
             return  # the fast path: nothing else pending for these targets
-    j, e = _route(updates[0][0], origin, updates[0][1], how)
+    j, e = _route(updates[0][0], origin, updates[0][1], how, (updates, module))
     if j is None or e is None:  # outside a step: the eager path, with its checks
         for target, _op, _operand, new in updates:
             issue("assign", target, new, None, None, sync, True, depth + 1)
@@ -152,14 +170,55 @@ def issue_computed(
     j.record_computed(items, sync, origin, how)
 
 
-def _route(t: torch.Tensor, origin: Any, op: str, how: Lookup) -> tuple[Any, Any]:
-    """``routing.journal_of``, and the error for a target that a step of this thread cannot own."""
+def _route(t: torch.Tensor, origin: Any, op: str, how: Lookup, computed: Computed | None = None) -> tuple[Any, Any]:
+    """``routing.journal_of``, and the error for a target that a step of this thread cannot own
+    (``computed``: the updates of a module's forward that ``t`` is the first of, and the module)."""
     j, e = routing.journal_of(t, origin, op, how)
     if j is None:
         steps = routing.explicit()
         if steps:
+            if computed is not None and not reparametrizing():  # (torch.func: _refuse_foreign says what to do)
+                _refuse_foreign_module(steps[-1], computed, origin)
             _refuse_foreign(steps[-1], t, origin, op)
     return j, e
+
+
+Computed = tuple[list[tuple[torch.Tensor, str, Any, torch.Tensor]], Any]
+"""``(updates, module)``: what ``issue_computed`` was given (``module``: the module whose forward
+issued them, or None)."""
+
+_FIXES = (
+    "open the step on a module that holds both models (pu.step(nn.ModuleList([model, other]), optimizer), "
+    "where other is the {theirs}: its updates then commit with this step, as plain PyTorch writes them in place), "
+    "or attach the {theirs} with its own optimizer (pu.attach(other, other_optimizer): its updates are then held "
+    "for its own next optimizer step)"
+)
+
+
+def _refuse_foreign_module(j: Journal, computed: Computed, origin: Any) -> None:
+    """A module's forward (``pu.nn``'s batch norm) issued updates of its own tensors inside a step whose
+    model does not hold it (a GAN's generator step through the discriminator): say which, in the
+    user's terms, where the module was called, and the fixes that work."""
+    updates, module = computed
+    targets = [u[0] for u in updates]
+    other = owner_anywhere(targets[0])
+    if other is not None:
+        model_name = other[1]
+        names = [o[0] if (o := owner_anywhere(t)) is not None else describe(t) for t in targets]
+        whose = f"of {model_name}"
+    else:  # a module no model paramupdates has seen holds: its class and attributes
+        model_name = type(module).__name__ if module is not None else "the model"
+        attrs = {id(v): k for k, v in module._buffers.items()} if module is not None else {}
+        names = [attrs.get(id(t), describe(t)) for t in targets]
+        whose = f"of a {model_name} that belongs to no model paramupdates has seen"
+    by = getattr(origin, "by", None) or "its running state"
+    mine = type(j.index.model).__name__
+    raise UpdateError(
+        f"the update of {listed([repr(n) for n in names], 4)} {whose} ({by}) by the call of the module at "
+        f"{origin}: the step in progress ({j.label}, for {mine}) does not hold them, so this update would have "
+        f"no commit. Either {_FIXES.format(theirs=model_name)}, or run the {model_name} in eval mode "
+        "for this pass (other.eval(), then other.train()), so that it updates nothing."
+    )
 
 
 def _refuse_foreign(j: Journal, t: torch.Tensor, origin: Any, op: str) -> None:
@@ -180,9 +239,8 @@ def _refuse_foreign(j: Journal, t: torch.Tensor, origin: Any, op: str) -> None:
     if other is not None:
         name, model = other
         raise UpdateError(
-            f"pu.{op} on {name!r} of {model} at {origin}: the target belongs to a {model}, but the "
-            f"step in progress is for a {mine}, so this update would have no commit. Open the step "
-            f"on a module that contains both (e.g. nn.ModuleDict({{'a': a, 'b': b}})), or issue the "
+            f"pu.{op} on {name!r} of {model} at {origin}: the step in progress ({j.label}, for {mine}) does not "
+            f"hold it, so this update would have no commit. Either {_FIXES.format(theirs=model)}, or issue the "
             "update outside the step."
         )
     computed = (

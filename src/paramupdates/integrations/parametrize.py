@@ -19,13 +19,23 @@ and nothing is written before commit. A parametrization without
 weight, the parametrization and the call site.
 
 A tensor is recognised as a parametrization's output by a forward hook on
-the ``ParametrizationList`` modules of every model paramupdates indexes (a
-``pu.step``, ``pu.Stepper`` or ``pu.attach`` on the model does that).
+its ``ParametrizationList``, put there when ``register_parametrization`` adds
+the list to its module (torch's global module registration hook fires then),
+so from registration on, before paramupdates ever saw the model: an eager
+``pu.assign(layer.weight, v)`` before the first step goes through
+``right_inverse`` as one inside a step does. Parametrizations registered
+before paramupdates was imported are hooked when a model that holds them is
+indexed (a ``pu.step``, ``pu.Stepper`` or ``pu.attach`` on it, ``pu.convert``,
+a rule declared on it); until then an update of their output, a computed
+tensor, is refused (``updates.issue``), never written into a temporary.
 
 Registered into the core as a module visitor (which hooks each
-``ParametrizationList``) and a target resolver (which maps an update of its
-output to updates of the originals): ``hooks.register_module_visitor``,
-``hooks.register_target_resolver``.
+``ParametrizationList`` of an indexed model and gives it its qualified name),
+a target resolver (which maps an update of its output to updates of the
+originals) and a computed-tensor source (what a rule declared on the output
+should be declared on: ``rules.common.check_declared``):
+``hooks.register_module_visitor``, ``hooks.register_target_resolver``,
+``hooks.register_computed_source``.
 """
 
 from __future__ import annotations
@@ -45,24 +55,43 @@ from ..ops import apply_op
 _OUTPUTS = state.process.parametrized
 """A parametrization's output tensor (held weakly) -> (its ``ParametrizationList``, held weakly, and
 the parametrized tensor's display name)."""
-_HOOKED_ATTR = "_pu_parametrize_hook"
+_NAME_ATTR = "_pu_parametrized_name"
+
+
+def _record(plist: nn.Module, _inputs: Any, output: Any) -> None:
+    """The forward hook of a ``ParametrizationList``: remember which list made ``output`` (the list
+    the hook runs on, so that a deep copy of a hooked module records its own outputs). Not while
+    dynamo traces: it cannot trace the weakly keyed dictionary (a graph break in every compiled
+    forward of a parametrized model, ``fullgraph=True`` raising), and the output of a traced
+    forward is a graph tensor, not what an eager update is given."""
+    if isinstance(output, torch.Tensor) and not torch.compiler.is_compiling():
+        _OUTPUTS[output] = (weakref.ref(plist), plist.__dict__.get(_NAME_ATTR, "?"))
+
+
+def _hook(plist: parametrize.ParametrizationList, shown: str) -> None:
+    """Name ``plist``'s output ``shown`` and register (once) the hook that records its outputs."""
+    plist.__dict__[_NAME_ATTR] = shown
+    if not any(h is _record for h in plist._forward_hooks.values()):
+        plist.register_forward_hook(_record)
 
 
 def track(module: nn.Module, qualified_name: str) -> None:
-    """Register (once) the forward hook that records the outputs of a ``ParametrizationList``
-    (a module visitor: called for every submodule of an indexed model)."""
-    if not isinstance(module, parametrize.ParametrizationList) or getattr(module, _HOOKED_ATTR, None):
+    """The module visitor (called for every submodule of an indexed model): hook a
+    ``ParametrizationList`` and name its output by its qualified name in the model."""
+    if not isinstance(module, parametrize.ParametrizationList):
         return
     # "lin.parametrizations.weight" -> "lin.weight"
     parts = qualified_name.split(".")
     shown = ".".join(parts[:-2] + parts[-1:]) if len(parts) >= 2 and parts[-2] == "parametrizations" else qualified_name
-    plist_ref = weakref.ref(module)
+    _hook(module, shown)
 
-    def hook(_m: nn.Module, _inputs: Any, output: Any) -> None:
-        if isinstance(output, torch.Tensor):
-            _OUTPUTS[output] = (plist_ref, shown)
 
-    setattr(module, _HOOKED_ATTR, module.register_forward_hook(hook))
+def _on_registration(_parent: nn.Module, name: str, module: nn.Module | None) -> None:
+    """torch's global module registration hook: ``register_parametrization`` adds a
+    ``ParametrizationList`` to its module's ``parametrizations`` under the parametrized tensor's
+    name; hook it from then on (named by that attribute until a model holding it is indexed)."""
+    if isinstance(module, parametrize.ParametrizationList) and _NAME_ATTR not in module.__dict__:
+        _hook(module, name)
 
 
 def source(t: torch.Tensor) -> tuple[parametrize.ParametrizationList, str] | None:
@@ -137,6 +166,27 @@ def resolve(
     return inverse(plist, name, op, target, operand, key, origin)
 
 
+def computed_source(t: torch.Tensor) -> tuple[str, str] | None:
+    """The computed-tensor source: ``(name, what to declare instead)`` when ``t`` is a
+    parametrization's output."""
+    src = source(t)
+    if src is None:
+        return None
+    plist, name = src
+    kinds = ", ".join(type(p).__name__ for p in plist)
+    return (
+        f"{name!r} (the output of the parametrization {kinds}, torch.nn.utils.parametrize)",
+        f"the stored tensor(s) it is computed from, {_orig_names(plist, name)}, or the module that holds it "
+        "(its parameters are those originals)",
+    )
+
+
 def install() -> list[RemovableHandle]:
-    """Register the module visitor and the target resolver (``paramupdates/__init__.py`` calls it)."""
-    return [hooks.register_module_visitor(track), hooks.register_target_resolver(resolve)]
+    """Register the module visitor, the target resolver, the computed-tensor source, and torch's
+    global module registration hook (``paramupdates/__init__.py`` calls it)."""
+    return [
+        hooks.register_module_visitor(track),
+        hooks.register_target_resolver(resolve),
+        hooks.register_computed_source(computed_source),
+        nn.modules.module.register_module_module_registration_hook(_on_registration),
+    ]

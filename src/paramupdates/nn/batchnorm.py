@@ -39,7 +39,6 @@ batch statistics).
 
 from __future__ import annotations
 
-import dis
 import functools
 import inspect
 from typing import Any
@@ -50,7 +49,7 @@ from torch import Tensor, nn
 
 from .. import hooks, routing
 from ..conditions import current as current_condition
-from ..origin import Origin
+from ..origin import Origin, capture
 from ..updates import assign, issue_computed
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "UpdateSafeBatchNorm"]
@@ -75,33 +74,9 @@ def _under_functorch() -> bool:
 
 
 @functools.cache
-def _forward_line() -> Origin:
-    """The line of :meth:`UpdateSafeBatchNorm.forward` that issues the statistics (its call of
-    ``_train_with_stats``), found in the bytecode once: no source file needed."""
-    code = UpdateSafeBatchNorm.forward.__code__
-    line = code.co_firstlineno
-    for ins in dis.get_instructions(code):
-        if ins.argval == "_train_with_stats" and ins.positions is not None and ins.positions.lineno:
-            line = ins.positions.lineno
-            break
-    return Origin(code.co_filename, line)
-
-
-def _forward_site_text() -> str:
-    """``str(_forward_line())``, what dynamo takes as a trace-time constant (no guard, no frame
-    walk): a compiled forward shows the same origin as an eager one."""
-    return str(_forward_line())
-
-
-_forward_site_text._dynamo_marked_constant = True  # type: ignore[attr-defined]  # (as integrations.compile marks)
-
-
-def _forward_site() -> Origin | str:
-    """The call site the statistics show: the line of forward that issues them (one line, one site),
-    the same in eager and compiled forwards."""
-    if torch.compiler.is_compiling():
-        return _forward_site_text()
-    return _forward_line()
+def _updated_by(cls: type) -> str:
+    """What a batch norm of class ``cls`` updates, in the user's terms (``Origin.by``)."""
+    return f"{cls.__name__} running statistics"
 
 
 class UpdateSafeBatchNorm:
@@ -142,6 +117,15 @@ class UpdateSafeBatchNorm:
             assign(self.num_batches_tracked, 0)
 
     # ------------------------------------------------------------------
+    def _call_site(self) -> Origin | None:
+        """The origin of the statistics: the user's line that called this module (the frames of
+        ``pu.nn`` and ``torch.nn`` between are skipped; one frame walk per call, the verdict per file
+        cached), naming what it updates (``Origin.by``). ``None`` while dynamo traces: the
+        tracing support gives the same line as a trace-time constant."""
+        if torch.compiler.is_compiling():
+            return None
+        return capture(3, False, _updated_by(type(self)))  # type: ignore[return-value]  # (an Origin eagerly)
+
     def _sync(self) -> str | None:
         return "mean" if self.sync_stats else None
 
@@ -167,11 +151,13 @@ class UpdateSafeBatchNorm:
         sync = self._sync()
         if sync is None:
             issue_computed(
-                [*counted, (rm, "assign", new_mean, new_mean), (rv, "assign", new_var, new_var)], None, 3, origin
+                [*counted, (rm, "assign", new_mean, new_mean), (rv, "assign", new_var, new_var)], None, 3, origin, self
             )
         else:  # the statistics are synced across ranks; the counter is not (every rank counts alike)
-            issue_computed(counted, None, 3, origin)
-            issue_computed([(rm, "assign", new_mean, new_mean), (rv, "assign", new_var, new_var)], sync, 3, origin)
+            issue_computed(counted, None, 3, origin, self)
+            issue_computed(
+                [(rm, "assign", new_mean, new_mean), (rv, "assign", new_var, new_var)], sync, 3, origin, self
+            )
         return out
 
     def _stats(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
@@ -237,7 +223,7 @@ class UpdateSafeBatchNorm:
         if self.training and self.track_running_stats:
             if _nothing_records() and not (self.sync_stats and hooks.sync_active()):
                 return self._eager_in_place(input)
-            return self._train_with_stats(input, _forward_site())  # (one line: the site is this line)
+            return self._train_with_stats(input, self._call_site())
         # train mode without tracking, or eval mode: nothing is updated
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
         use_buffers = not self.training

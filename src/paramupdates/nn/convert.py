@@ -32,6 +32,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.hooks import RemovableHandle
 
+from ..targets import index_of
 from .batchnorm import BatchNorm1d, BatchNorm2d, BatchNorm3d, SyncBatchNorm, UpdateSafeBatchNorm
 
 Converter = Callable[..., nn.Module | None]
@@ -202,6 +203,7 @@ def convert(model: nn.Module, *, sync_stats: bool = False) -> nn.Module:
     _load_lazy()
     if isinstance(model, _BatchNorm):
         top = _replacement(model, f"the model itself ({type(model).__qualname__})", sync_stats)
+        index_of(model if top is None else top)
         return model if top is None else top
     done: dict[int, nn.Module | None] = {}  # a module shared by two parents stays shared
     for prefix, parent in list(model.named_modules()):
@@ -213,6 +215,7 @@ def convert(model: nn.Module, *, sync_stats: bool = False) -> nn.Module:
             new = done[id(child)]
             if new is not None:
                 parent._modules[name] = new
+    index_of(model)  # known from now on: an error about its tensors names them in it (a GAN's discriminator)
     return model
 
 

@@ -162,11 +162,13 @@ def adopt_known(rule: Any, root: Any) -> None:
 
 def check_declared(named: Named, root: Any, fn: str, origin: str) -> None:
     """Refuse tensors no rule can be correct on (flat parameters of FSDP1 / DeepSpeed; a meta tensor
-    given without its module: ``to_empty()`` replaces it and nothing could follow), at declaration."""
+    given without its module: ``to_empty()`` replaces it and nothing could follow; a computed tensor,
+    such as a parametrized weight: :func:`refuse_computed`), at declaration."""
     if root is not None:
         index_of(root)  # indexed now: a parameter the module re-creates (to_empty, model.to()) keeps its type
     else:
         for name, t in named:
+            refuse_computed(name, t, fn, origin)
             if t.is_meta:
                 raise UpdateError(
                     f"{fn} at {origin}: {name!r} is a meta tensor given without its module, and to_empty() will "
@@ -178,6 +180,33 @@ def check_declared(named: Named, root: Any, fn: str, origin: str) -> None:
     support = hooks.sharding_support()  # sharding hook
     if support is not None:
         support.check_declared(named, root, fn, origin)
+
+
+def refuse_computed(name: str, t: torch.Tensor, fn: str, origin: str) -> None:
+    """Refuse a rule declared on a computed tensor: a parametrization's output (``layer.weight`` under
+    ``weight_norm``, ``orthogonal``, ``spectral_norm``), recognised by the integration that hooks it
+    (``hooks.computed_source``), or any tensor with a ``grad_fn`` that is not a view of a stored one.
+    It is made anew on every read: a rule held by it would hold a temporary that dies at once, and
+    never run. Nor is the rule applied through the parametrization's ``right_inverse``: that is not the
+    rule on any stored tensor (weight decay of weight norm's ``weight`` would rescale its direction
+    ``v`` to the magnitude ``g``; a decayed orthogonal matrix is not orthogonal)."""
+    known = hooks.computed_source(t) if hooks.computed_sources else None
+    if known is None and (t.grad_fn is None or t._base is not None):
+        return
+    if known is not None:
+        shown, instead = known
+    else:
+        shown = f"{name!r} (a computed tensor: it has a grad_fn, {type(t.grad_fn).__name__}, and is not a view)"
+        instead = (
+            "the stored tensor it is computed from (for a parametrized weight: "
+            "module.parametrizations.<name>.original, or original0, original1, ...), or the module that holds it"
+        )
+    raise UpdateError(
+        f"{fn} at {origin}: {shown} is not stored but made anew on every read, so a rule held by it would hold a "
+        f"temporary that dies at once and never run. Declare the rule on {instead}. (It is not applied through "
+        "the parametrization: mapped back through right_inverse, a rule on the computed weight is not that rule "
+        "on any stored tensor.)"
+    )
 
 
 def slot_tensor(root: nn.Module, name: str) -> torch.Tensor | None:

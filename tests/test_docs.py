@@ -91,3 +91,80 @@ def test_adam_plus_weight_decay_is_adamw_with_exclude_none_and_the_no_decay_reci
     default = _train(lambda m: torch.optim.Adam(m.parameters(), lr=0.01), lambda m: pu.weight_decay(m, 0.1))
     assert_same(_train(no_decay_groups), default)
     assert any(not torch.equal(a[1], b[1]) for a, b in zip(adamw, default) if torch.is_tensor(a[1]))
+
+
+def _pages() -> list[str]:
+    return ["README.md", "CHANGELOG.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation dropped, spaces as dashes."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_the_readme_is_a_five_minute_read():
+    """What, why, the two commands, the model in brief and where to look next; the rest is in docs/."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 250
+    blocks = re.findall(r"```bash\n(.*?)```", "\n".join(lines), flags=re.S)
+    assert any("paramupdates-demo" in b for b in blocks) and any("python -m pytest" in b for b in blocks)
+
+
+def test_every_relative_link_of_the_readme_and_docs_resolves():
+    """A page moved or a heading renamed breaks no link: each relative target exists, and an
+    anchor into a Markdown page names one of its headings."""
+    broken = []
+    for page in _pages():
+        text = re.sub(r"```.*?```|`[^`\n]*`", "", (ROOT / page).read_text(), flags=re.S)  # links, not code
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (ROOT / page).parent / path if path else ROOT / page
+            if not file.exists():
+                broken.append(f"{page}: {target}")
+            elif anchor and file.suffix == ".md":
+                headings = re.findall(r"^#+ (.*)$", file.read_text(), flags=re.M)
+                if anchor not in {_slug(h) for h in headings}:
+                    broken.append(f"{page}: {target} (no such heading)")
+    assert broken == []
+
+
+def test_every_python_block_of_the_readme_and_docs_is_python():
+    """Blocks that need a framework or data are not run here (the first README block and the
+    converter recipe are, above; each framework's recipe is its test file's subject), but each
+    must at least be valid Python."""
+    bad = []
+    for page in _pages():
+        for i, block in enumerate(_python_blocks(page)):
+            try:
+                compile(block, f"{page} block {i}", "exec")
+            except SyntaxError as e:
+                bad.append(f"{page} block {i}: {e}")
+    assert bad == []
+
+
+def test_the_readmes_ema_is_useful_after_a_short_run():
+    """The README's first block declares its EMA as users will copy it; on the demo's digits
+    (Adam, batch 64) its copy must be about as good as the model after one epoch (23 steps).
+    A copy without warmup (decay 0.999) is still mostly the initial weights there: 10 %."""
+    from paramupdates.demo import DigitsNet, load_digits, logits_of
+
+    (call,) = re.findall(r"^averaged = (pu\.ema\(model, .*?\))", _python_blocks("README.md")[0], flags=re.M)
+    x_train, y_train, x_test, y_test = load_digits(0)
+    torch.manual_seed(0)
+    model = pu.convert(DigitsNet())
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    averaged = eval(call, {"pu": pu, "model": model})  # noqa: S307 - our own README's call
+    order = torch.randperm(len(y_train), generator=torch.Generator().manual_seed(0))
+    for i in range(0, len(y_train), 64):
+        idx = order[i : i + 64]
+        with pu.step(model, opt):
+            nn.functional.cross_entropy(model(x_train[idx]), y_train[idx]).backward()
+        opt.zero_grad()
+    with torch.no_grad():
+        model_acc, copy_acc = (
+            float((logits_of(m, x_test).argmax(1) == y_test).float().mean()) for m in (model, averaged)
+        )
+    pu.testing.reset()
+    assert model_acc > 0.7 and copy_acc > model_acc - 0.1, (model_acc, copy_acc)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import copy
 import sys
+from types import FrameType
 from typing import Any
 
 import torch
@@ -190,7 +191,7 @@ def assigned_plain(t: torch.Tensor) -> bool:
 
 def _loading() -> bool:
     """Whether ``Module._load_from_state_dict`` is on the stack (a few frames up: it assigns)."""
-    f = sys._getframe(2)
+    f: FrameType | None = sys._getframe(2)
     for _ in range(4):
         if f is None:
             return False

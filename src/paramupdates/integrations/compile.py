@@ -30,6 +30,7 @@ See ``docs/compile.md`` for what is supported and the limits.
 from __future__ import annotations
 
 import sys
+from types import FrameType
 from typing import Any
 
 import torch
@@ -57,7 +58,7 @@ def traced_call_site() -> str:
     # The traced frame is itself internal (dynamo compiles ``pu.assign`` as a
     # frame of its own when it runs the user's frame eagerly, e.g. after a
     # graph break): the user's frames are then real frames, below dynamo's.
-    f = sys._getframe(1)
+    f: FrameType | None = sys._getframe(1)
     while f is not None and is_internal(f.f_code.co_filename):
         f = f.f_back
     if f is None:

@@ -26,7 +26,7 @@ import sys
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -178,7 +178,11 @@ def _replacement(m: nn.Module, qualname: str, sync_stats: bool) -> nn.Module | N
     return None if new is m else new
 
 
-def convert(model: nn.Module, *, sync_stats: bool = False) -> nn.Module:
+_M = TypeVar("_M", bound=nn.Module)
+"""The model's own type: ``pu.convert(model)`` keeps it for type checkers (``pu.convert(nn.Sequential(...))[0]``)."""
+
+
+def convert(model: _M, *, sync_stats: bool = False) -> _M:
     """Replace every batch norm of ``model`` that a converter knows by its update-safe version.
 
     ``torch.nn.BatchNorm1d/2d/3d`` and ``SyncBatchNorm`` become
@@ -204,7 +208,7 @@ def convert(model: nn.Module, *, sync_stats: bool = False) -> nn.Module:
     if isinstance(model, _BatchNorm):
         top = _replacement(model, f"the model itself ({type(model).__qualname__})", sync_stats)
         index_of(model if top is None else top)
-        return model if top is None else top
+        return model if top is None else cast(_M, top)  # a converter's replacement: a subclass, as a rule
     done: dict[int, nn.Module | None] = {}  # a module shared by two parents stays shared
     for prefix, parent in list(model.named_modules()):
         for name, child in list(parent._modules.items()):

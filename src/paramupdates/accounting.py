@@ -12,6 +12,10 @@ nothing. The hook compares what the commit of this optimizer step ran (:func:`ap
 commit) with the rules that cover a tensor the optimizer stepped (one with a gradient), and warns once
 per rule with :class:`~paramupdates.AccountingWarning`, naming the rule, its declaration site, the
 tensors, the ``optimizer.step()`` call and the fix.
+
+A compiled optimizer step (``torch.compile(optimizer.step)``) is not checked: the hooks do nothing while
+dynamo traces (what a commit notes in a traced frame is not replayed as this check needs). Its eager
+steps, the first ones before compiling included, are.
 """
 
 from __future__ import annotations
@@ -41,8 +45,8 @@ def watch() -> None:
 def applied(optimizer: Any, rules: list[Any]) -> None:
     """The commit that runs ``optimizer``'s next step in this thread applies ``rules`` (and is the one to
     answer for the rules that cover its tensors)."""
-    if state.process.optimizer_watch is not None:  # (no rule was ever declared: nothing to answer for)
-        state.local.applied = (weakref.ref(optimizer), rules)
+    if state.process.optimizer_watch is not None and not torch.compiler.is_compiling():
+        state.local.applied = (weakref.ref(optimizer), rules)  # (no rule declared yet: nothing to answer for)
 
 
 def _unwrapped(optimizer: Any) -> list[Any]:
@@ -57,13 +61,17 @@ def _unwrapped(optimizer: Any) -> list[Any]:
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Global optimizer step pre-hook: count nested steps (an optimizer subclass calling ``super().step()``
-    runs the hooks twice), so that the commit's rules are forgotten after the outermost one."""
-    state.local.optimizer_depth += 1
+    runs the hooks twice), so that the commit's rules are forgotten after the outermost one. (Not while
+    dynamo traces: a compiled ``optimizer.step`` is not checked, see the module docstring.)"""
+    if not torch.compiler.is_compiling():
+        state.local.optimizer_depth += 1
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Global optimizer step post-hook: warn about every rule that covers a tensor this step updated and
     that no commit applied (once per rule)."""
+    if torch.compiler.is_compiling():
+        return
     p, local = state.process, state.local
     done = local.applied
     local.optimizer_depth = max(local.optimizer_depth - 1, 0)

@@ -270,9 +270,9 @@ class WeakList:
     ) -> None:
         died = self._died = [False]  # set when a held tensor is collected (no pass over them per commit)
 
-        def on_death(_ref: Any) -> None:
+        def on_death(_ref: Any, _tell: Any = rule_died) -> None:
             died[0] = True
-            rule_died(_ref)
+            _tell(_ref)  # (bound at definition: module globals are gone at interpreter shutdown)
 
         self._on_death = on_death
         self._refs = [weakref.ref(t, on_death) for t in tensors]

@@ -173,8 +173,8 @@ class Attachment(Owner):
             return
         self.index.refresh()
         for other in routing.attachments():
-            if other is not self and other.model is not None:
-                other.index.refresh()  # type: ignore[attr-defined]
+            if other.model is not None and other.index is not self.index:  # (one attachment per model)
+                other.index.refresh()
                 self._refuse_shared(other)  # type: ignore[arg-type]
         self._structure = now
 

@@ -259,7 +259,9 @@ def step(
     the step, leaving every parameter and buffer as it was. ``s.schedule()`` afterwards is the
     committed plan.
 
-    Args (:class:`Stepper`'s; each option in full: :class:`~paramupdates.options.StepOptions`):
+    The arguments are :class:`Stepper`'s (each option in full: :class:`~paramupdates.options.StepOptions`).
+
+    Args:
         model, optimizer: the module whose tensors may be targets; the optimizer the commit steps.
         closure: for ``optimizer.step(closure)`` (LBFGS).
         on_nonfinite: ``None`` (no check, no host sync), ``"raise"`` or ``"skip"`` the whole step when

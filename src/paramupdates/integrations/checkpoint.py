@@ -178,7 +178,7 @@ def _keeps_statistics(module: nn.Module) -> bool:
 def _stepped(module: nn.Module) -> bool:
     """Whether ``module`` belongs to a model paramupdates steps: under ``pu.attach``, or the model of a
     ``pu.step`` in progress (in any thread), as those models were last indexed."""
-    owners = [*routing.explicit_anywhere(), *routing.attachments()]
+    owners: list[Any] = [*routing.explicit_anywhere(), *routing.attachments()]
     return any(owner.index.module_name(module) is not None for owner in owners)
 
 
@@ -213,7 +213,7 @@ class RecomputedNorms:
         if id(module) in self.found or not _keeps_statistics(module) or threading.get_ident() != self.thread:
             return
         if self.everywhere or _stepped(module):
-            stats = (module.running_mean, module.running_var, module.num_batches_tracked)
+            stats: list[Any] = [module.running_mean, module.running_var, module.num_batches_tracked]
             with torch.no_grad():
                 self.found[id(module)] = [(t, t.detach().clone(), t._version) for t in stats if t is not None]
 
@@ -258,12 +258,12 @@ class _TorchRecomputations:
                 return torch_backward(ctx, *grads)
 
         self.ours = (Recomputation, backward)
-        _tc._recomputation_hook = Recomputation
+        _tc._recomputation_hook = Recomputation  # type: ignore[misc]
         _tc.CheckpointFunction.backward = staticmethod(backward)  # type: ignore[method-assign]
 
     def remove(self) -> None:
         if _tc._recomputation_hook is self.ours[0]:
-            _tc._recomputation_hook = self.context
+            _tc._recomputation_hook = self.context  # type: ignore[misc]
         if _tc.CheckpointFunction.backward is self.ours[1]:
             _tc.CheckpointFunction.backward = staticmethod(self.backward)  # type: ignore[method-assign]
 

@@ -386,9 +386,10 @@ def rules_for(index: ModelIndex, optimizer: Any = None) -> list[Rule]:
         _take_rules(index)
     _refuse_lost(index)
     extra = _unbound_rules(index, optimizer) if state.process.unbound else ()
+    rules: list[Rule] = index.rules  # type: ignore[assignment]
     if not extra:
-        return index.rules
-    return sorted([*index.rules, *extra], key=_seq)
+        return rules
+    return sorted([*rules, *extra], key=_seq)
 
 
 def _take_rules(index: ModelIndex) -> None:

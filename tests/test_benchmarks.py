@@ -69,3 +69,44 @@ def test_compiled_record_runs_and_prints_every_variant():
     out = _script("compiled_record.py", "--calls", "2")
     for variant in ("torch", "pu ", "pu, values only", "pu, nothing recorded"):
         assert f"  {variant}" in out.stdout, variant
+
+
+def test_quick_peers_prints_every_pair_checked_bitwise():
+    """``--only peers`` (benchmarks/peers.py, in ``--all``): every pair runs, and every row says that its
+    sides were checked to compute bitwise the same state before they were timed."""
+    out = _run("--quick", "--only", "peers")
+    assert out.returncode == 0, out.stderr[-3000:]
+    table = out.stdout[out.stdout.index("| benchmark |") :]
+    rows = [line for line in table.splitlines() if line.startswith("| (e) peers")]
+    for variant in (
+        "pu.ema / timm ModelEmaV3",
+        "pu.ema / AveragedModel",
+        "Adam + pu.weight_decay / AdamW, no-decay group",
+        "Adam + pu.weight_decay / AdamW |",
+        "pu.constrain / loop",
+        "pu.attach / hand-written |",
+        "pu.attach / hand-written, timm EMA",
+        "pu.attach / bare loop",
+    ):
+        assert any(variant in r for r in rows), variant
+    for part in ("decay alone", "decay + batch norms", "decay + max-norm", "decay + EMA", "all: "):
+        assert any(f"recipe, {part}" in r for r in rows), part
+    assert len(rows) == 15 and all("checked: bitwise the same state" in r for r in rows), table
+
+
+def test_peers_check_refuses_sides_that_compute_different_things(monkeypatch):
+    """The check before the timing is not a formality: a side that skips the constraint (a silent no-op)
+    stops the benchmark, naming the pair, the side and the tensor."""
+    monkeypatch.syspath_prepend(ROOT)
+    from benchmarks import peers
+
+    a, b = peers.Heads(), peers.Heads()
+    sides = {
+        "loop": peers.Side(peers.norm_loop(peers.weights(a)), peers.tensors_of(a), peers.perturb_of(a, ws_only=True)),
+        "no-op": peers.Side(lambda: None, peers.tensors_of(b), peers.perturb_of(b, ws_only=True)),
+    }
+    pair = peers.Pair("max_norm", sides, [("no-op", "loop", None)])
+    with pytest.raises(RuntimeError, match=r"max_norm: no-op is not bitwise loop after 3 calls \(tensor 0 of 256"):
+        peers.check(pair, "loop")
+    del sides["no-op"]
+    assert peers.check(pair, "loop").startswith("checked: bitwise")

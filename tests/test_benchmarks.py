@@ -110,3 +110,52 @@ def test_peers_check_refuses_sides_that_compute_different_things(monkeypatch):
         peers.check(pair, "loop")
     del sides["no-op"]
     assert peers.check(pair, "loop").startswith("checked: bitwise")
+
+
+def test_trace_calls_prints_every_path_and_the_long_functions():
+    """``benchmarks/trace_calls.py`` (issue 40's traced path counts) runs and prints a count for each path."""
+    out = subprocess.run(
+        [sys.executable, "benchmarks/trace_calls.py", "--top", "3"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {r.split(" | ")[0].lstrip("| "): r.split(" | ")[1:4] for r in out.stdout.splitlines() if r.startswith("| ")}
+    for path in (
+        "(i) pu.assign in pu.step: open + issue + commit",
+        "&nbsp;&nbsp;issue",
+        "(ii) batch norm forward in pu.step",
+        "(ii) that step's commit (3 statistics)",
+        "(iii) weight-decay commit",
+    ):
+        calls, files, transitions = map(int, rows[path])
+        assert calls > 0 and 0 < files <= calls and transitions < calls, path
+    assert "functions over 60 lines in src/paramupdates: " in out.stdout
+
+
+def test_trace_calls_counts_calls_into_the_package_only(monkeypatch, tmp_path):
+    """What the counts mean: calls into paramupdates only, in order; files and transitions between them;
+    a function of 61 lines is long, one of 60 is not."""
+    monkeypatch.syspath_prepend(ROOT)
+    from benchmarks import trace_calls as tc
+
+    import paramupdates as pu
+
+    assert tc.traced(lambda: torch.zeros(2).add_(1)) == []  # torch's own Python: not counted
+    t = torch.zeros(2)
+    events = tc.traced(lambda: pu.assign(t, torch.ones(2)))  # outside a step: written at once (rule 8)
+    assert torch.equal(t, torch.ones(2))
+    assert ("updates.py", "assign") == events[0] and all(not f.startswith("/") for f, _ in events)
+    assert tc.transitions([("a.py", "f"), ("b.py", "g"), ("b.py", "h"), ("a.py", "k")]) == 2
+    assert tc.files([("a.py", "f"), ("b.py", "g"), ("a.py", "k")]) == 2
+
+    def lines(indent: str) -> str:
+        return "".join(f"{indent}x{i} = {i}\n" for i in range(58))
+
+    ok = "def ok():\n" + lines("    ") + "    return 0\n"  # 60 lines
+    long = "class C:\n    def long(self):\n" + lines("        ") + "        y = 1\n        return y\n"  # 61
+    (tmp_path / "m.py").write_text(ok + "\n\n" + long)
+    found = tc.long_functions(str(tmp_path))
+    assert [(f, name, n) for f, _, name, n in found] == [("m.py", "C.long", 61)], found

@@ -230,12 +230,15 @@ def table(ps: list[Path]) -> str:
 
 
 def top(p: Path, n: int) -> str:
-    """The ``n`` most called functions of a path and the calls per file."""
+    """The ``n`` most called functions of a path, the calls per file, and the calls into ``integrations/``
+    (which a plain model should not need, issue 40 item 2)."""
     fns = Counter(f"{f}:{q}" for f, q in p.events).most_common(n)
     per_file = Counter(f for f, _ in p.events).most_common()
     out = [f"{p.name}: top {len(fns)} functions (calls)"]
     out += [f"  {c:3d}  {name}" for name, c in fns]
     out.append("  files: " + ", ".join(f"{f} {c}" for f, c in per_file))
+    plugged = Counter(f"{f[len('integrations/') :]}:{q}" for f, q in p.events if f.startswith("integrations/"))
+    out.append("  into integrations/: " + (", ".join(f"{n} {c}" for n, c in plugged.items()) or "none"))
     return "\n".join(out)
 
 

@@ -23,7 +23,13 @@ variant in its own fresh process. The benchmarks, and what each compares:
     ``compiled_commit``: ``benchmarks/compiled_commit.py``: ``torch.compile(opt.step)`` on an
                   attached optimizer with the rules of (d), vs the same math hand-written in one
                   compiled function and vs eager foreach (``--all`` or ``--only compiled_commit``:
-                  compiling a 300-tensor step takes minutes on CPU).
+                  compiling a 300-tensor step takes minutes on CPU);
+(e) ``peers``:    ``benchmarks/peers.py``: pu against what users would pick instead, each
+                  checked bitwise first: ``pu.ema`` vs timm's ``ModelEmaV3`` and
+                  ``AveragedModel``, ``Adam + pu.weight_decay`` vs ``AdamW``, ``pu.constrain(max_norm)``
+                  vs a norm loop, the whole recipe (apportioned) vs the best hand-written, and
+                  ``pu.attach`` with nothing declared vs the bare loop (``--all`` or ``--only peers``;
+                  CPU only).
 
 ``--device cuda`` runs the same benchmarks on the GPU (wall clock after a
 synchronize); it stops with a message if CUDA is not available.
@@ -46,9 +52,9 @@ import torch
 import paramupdates  # noqa: F401  (fail early if not installed)
 
 # table order; "compiled" runs last (compiling is slow) but is printed after (a) eager
-ORDER = ("launch", "compiled", "step", "peak", "rules", "compiled_commit", "alloc", "checkpoint")
+ORDER = ("launch", "compiled", "step", "peak", "rules", "compiled_commit", "peers", "alloc", "checkpoint")
 DEFAULT = ("launch", "step", "peak", "rules", "alloc", "checkpoint")
-RUN_ORDER = ("launch", "step", "rules", "alloc", "checkpoint", "peak", "compiled", "compiled_commit")
+RUN_ORDER = ("launch", "step", "rules", "peers", "alloc", "checkpoint", "peak", "compiled", "compiled_commit")
 
 
 def _fmt(row: dict) -> tuple[str, str, str, str, str, str]:
@@ -129,12 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wall", action="store_true", help="time wall clock instead of process CPU time (CPU)")
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda: the same benchmarks on that device")
     ap.add_argument("--only", choices=ORDER, action="append", help="run only these (repeatable)")
-    ap.add_argument("--all", action="store_true", help="the default set plus the compiled launch-bound model")
+    ap.add_argument("--all", action="store_true", help="the default set plus the compiled benchmarks and the peers (e)")
     ap.add_argument("--backend", default="inductor", help="torch.compile backend of 'compiled' (default inductor)")
     ap.add_argument("--quick", action="store_true", help="tiny settings: checks that everything runs, not numbers")
     args = ap.parse_args(argv)
 
-    from . import checkpointed, compiled_commit, launch_bound, memory, peak_memory, rules, step_overhead, timing
+    from . import checkpointed, compiled_commit, launch_bound, memory, peak_memory, peers, rules, step_overhead, timing
 
     device = timing.select_device(args.device)
     torch.set_num_threads(args.threads)
@@ -164,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         "compiled_commit": lambda: compiled_commit.rows(
             device, rounds=reps, iters=1 if q else 10, size="tiny" if q else "small", backend=args.backend
         ),
+        "peers": lambda: peers.rows(device, repeats=reps, steps=1 if q else 16),
         "alloc": lambda: memory.run(device, steps=1 if q else memory.STEPS),
         "checkpoint": lambda: checkpointed.run(device, repeats=1 if q else max(3, reps // 3), steps=1 if q else 4),
     }

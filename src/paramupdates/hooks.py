@@ -42,12 +42,12 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
+import torch
 from torch.utils.hooks import RemovableHandle
 
 from .errors import UpdateError
 
 if TYPE_CHECKING:
-    import torch
     from torch import nn
 
     from .records import CommitLike as Commit
@@ -129,6 +129,18 @@ def register_segment_probe(probe: SegmentProbe) -> RemovableHandle:
     handle = RemovableHandle(segment_probes)
     segment_probes[handle.id] = probe
     return handle
+
+
+saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+"""``saved_tensors_hooks(True)``: the innermost ``torch.autograd.graph.saved_tensors_hooks`` in force (a
+C call): falsy outside every activation-checkpointing segment's forward, since checkpointing works by
+such hooks. The core asks it before the probes, so that an update outside any segment calls none."""
+
+
+def segment_possible() -> bool:
+    """Whether a probe could find a segment running now (a probe is registered, some saved-tensors hooks
+    are in force, and dynamo does not trace)."""
+    return bool(segment_probes) and not torch.compiler.is_compiling() and bool(saved_tensors_hooks(True))
 
 
 def adopt_segment() -> EagerLog | None:

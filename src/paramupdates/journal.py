@@ -34,6 +34,7 @@ from .records import Entry, Issued, Record, Row
 from .targets import ModelIndex
 
 _graph_task_id = torch._C._current_graph_task_id
+_saved_hooks = hooks.saved_tensors_hooks  # (falsy: no checkpointed segment's forward is running)
 _local = state.local  # this thread's steps, conditions and replay (one attribute look-up less per update)
 _data_ptr = torch._C.TensorBase.data_ptr
 
@@ -266,7 +267,8 @@ class Journal:
         # is not re-run by autograd: checkpointing inside it is a graph op.)
         if replay is None and not how.traced:
             self._refuse_in_backward(e.name, op, origin)
-        support = None if how.traced else hooks.sharding_support()
+        # sharding hook: asked only for a model with DTensor tensors (FSDP2), decided at its index's build
+        support = None if how.traced or not self.index.sharded else hooks.sharding_support()
         if support is not None and not e.records:
             support.check_update(self, e, f"pu.{op}", origin)  # sharding hook: FSDP's temporary parameters
         cond = _local.conditions[-1]
@@ -345,7 +347,7 @@ class Journal:
                 "pu.checkpoint (or torch.utils.checkpoint with use_reentrant=False) for activation "
                 "checkpointing."
             )
-        if _local.eager_log is None and hooks.segment_probes:
+        if _local.eager_log is None and hooks.segment_probes and _saved_hooks(True):
             hooks.adopt_segment()
 
     def record_computed(
@@ -413,7 +415,7 @@ class Journal:
         no recomputation, checkpointed segment, backward or committed auxiliary phase is in the way."""
         if _local.replay is not None or _local.eager_log is not None or AUXILIARY in self.done_phases:
             return False
-        if not how.traced and (_graph_task_id() != -1 or (hooks.segment_probes and hooks.in_segment())):
+        if not how.traced and (_graph_task_id() != -1 or (_saved_hooks(True) and hooks.in_segment())):
             return False
         infos = self._row_infos(updates, how)
         if infos is None:

@@ -144,20 +144,23 @@ def _kind_ok(src: torch.dtype, dst: torch.dtype) -> bool:
     return _kind(src) <= _kind(dst)
 
 
+def _at(op: str, name: str, origin: Any) -> str:
+    """How an error names the update (made only when one is raised: formatting the call site costs)."""
+    return f"pu.{op} on {name!r} at {origin}"
+
+
 def check_operand(op: str, target: torch.Tensor, operand: Any, key: Any, name: str, origin: str) -> None:
     """Shape, dtype kind and device of an operand; raises :class:`UpdateError`."""
-    fn = f"pu.{op}"
-    where_ = f"{fn} on {name!r} at {origin}"
     if isinstance(operand, torch.Tensor):
         if operand.device != target.device and not (operand.dim() == 0 and operand.device.type == "cpu"):
             raise UpdateError(
-                f"{where_}: value is on device {operand.device}, the target on device {target.device}. "
+                f"{_at(op, name, origin)}: value is on device {operand.device}, the target on device {target.device}. "
                 f"Move it first: value.to({str(target.device)!r})."
             )
-        if not _kind_ok(operand.dtype, target.dtype):
+        if operand.dtype is not target.dtype and not _kind_ok(operand.dtype, target.dtype):
             how = "value.real" if operand.dtype.is_complex else "value.round()"
             raise UpdateError(
-                f"{where_}: value of dtype {operand.dtype} cannot be stored in a {target.dtype} "
+                f"{_at(op, name, origin)}: value of dtype {operand.dtype} cannot be stored in a {target.dtype} "
                 f"target without losing its kind (e.g. float into int). Convert it explicitly "
                 f"({how}.to({target.dtype})) if that is what you mean."
             )
@@ -169,23 +172,23 @@ def check_operand(op: str, target: torch.Tensor, operand: Any, key: Any, name: s
                         raise RuntimeError("shape")
             except (IndexError, RuntimeError, TypeError) as e:
                 raise UpdateError(
-                    f"{where_}: target[{key!r}] (target shape {tuple(target.shape)}) cannot take a "
+                    f"{_at(op, name, origin)}: target[{key!r}] (target shape {tuple(target.shape)}) cannot take a "
                     f"value of shape {tuple(operand.shape)} ({e}). Index and value must match."
                 ) from None
         elif operand.dim() != 0 and operand.shape != target.shape:
             raise UpdateError(
-                f"{where_}: value has shape {tuple(operand.shape)}, the target {tuple(target.shape)}. "
+                f"{_at(op, name, origin)}: value has shape {tuple(operand.shape)}, the target {tuple(target.shape)}. "
                 "An update keeps the target's shape: pass a tensor of exactly that shape or a scalar."
             )
     elif isinstance(operand, bool | int | float | complex):
         if isinstance(operand, complex) and not target.is_complex():
             raise UpdateError(
-                f"{where_}: a complex value cannot be stored in a {target.dtype} target without losing its "
+                f"{_at(op, name, origin)}: a complex value cannot be stored in a {target.dtype} target without losing its "
                 "imaginary part. Pass a real number (value.real), or make the target complex."
             )
         if isinstance(operand, float) and not (target.is_floating_point() or target.is_complex()):
             raise UpdateError(
-                f"{where_}: a float value cannot be stored in a {target.dtype} target. "
+                f"{_at(op, name, origin)}: a float value cannot be stored in a {target.dtype} target. "
                 "Pass an int, or convert the target."
             )
         if type(operand) is int and not (
@@ -194,13 +197,17 @@ def check_operand(op: str, target: torch.Tensor, operand: Any, key: Any, name: s
             info = torch.iinfo(target.dtype)
             if not info.min <= operand <= info.max:
                 raise UpdateError(
-                    f"{where_}: the value {operand} does not fit a {target.dtype} target (range {info.min} to "
+                    f"{_at(op, name, origin)}: the value {operand} does not fit a {target.dtype} target (range {info.min} to "
                     f"{info.max}). Pass a value in range, or use a wider target dtype (e.g. torch.int64)."
                 )
         if op == "assign_key":
             try:
                 target.detach()[key]
             except (IndexError, RuntimeError, TypeError) as e:
-                raise UpdateError(f"{where_}: bad key {key!r} for shape {tuple(target.shape)} ({e}).") from None
+                raise UpdateError(
+                    f"{_at(op, name, origin)}: bad key {key!r} for shape {tuple(target.shape)} ({e})."
+                ) from None
     else:
-        raise UpdateError(f"{where_}: value of type {type(operand).__name__} is not a tensor or a Python number.")
+        raise UpdateError(
+            f"{_at(op, name, origin)}: value of type {type(operand).__name__} is not a tensor or a Python number."
+        )

@@ -100,7 +100,9 @@ def issue(
         check_operand(op, target, operand, key, owner[0], origin)
         raise
     log = (
-        _local.eager_log if _local.eager_log is not None else (hooks.adopt_segment() if hooks.segment_probes else None)
+        _local.eager_log
+        if _local.eager_log is not None
+        else (hooks.adopt_segment() if hooks.segment_possible() else None)
     )
     if log is not None:
         log.note(target)  # inside a checkpointed segment: keep the value at segment entry (replay, rule 3)
@@ -148,7 +150,7 @@ def issue_computed(
     """
     if _local.conditions[-1] is False or not updates:
         return
-    how = lookup.choose()
+    how = lookup.TRACED if torch.compiler.is_compiling() else lookup.EAGER  # (lookup.choose, inlined)
     if origin is None:
         origin = how.origin(depth)
     if sync is None:

@@ -46,7 +46,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
-from torch.utils.hooks import RemovableHandle
 
 from .. import hooks, state
 from ..errors import UpdateError
@@ -66,6 +65,25 @@ def _record(plist: nn.Module, _inputs: Any, output: Any) -> None:
     forward is a graph tensor, not what an eager update is given."""
     if isinstance(output, torch.Tensor) and not torch.compiler.is_compiling():
         _OUTPUTS[output] = (weakref.ref(plist), plist.__dict__.get(_NAME_ATTR, "?"))
+        _resolve_from_now_on()
+
+
+def _resolve_from_now_on() -> None:
+    """Register the target resolver once a parametrization has made an output: until then no update
+    is asked about (a model with no parametrization pays nothing for this integration). Not after
+    ``install()``'s handles were removed (the module visitor is gone then)."""
+    resolvers = hooks.target_resolvers.values()
+    if resolve not in resolvers and track in hooks.module_visitors.values():
+        hooks.register_target_resolver(resolve)
+
+
+class _ResolverHandle:
+    """``install()``'s handle of the target resolver, registered later (:func:`_resolve_from_now_on`)."""
+
+    def remove(self) -> None:
+        for key, fn in list(hooks.target_resolvers.items()):
+            if fn is resolve:
+                del hooks.target_resolvers[key]
 
 
 def _hook(plist: parametrize.ParametrizationList, shown: str) -> None:
@@ -181,12 +199,13 @@ def computed_source(t: torch.Tensor) -> tuple[str, str] | None:
     )
 
 
-def install() -> list[RemovableHandle]:
-    """Register the module visitor, the target resolver, the computed-tensor source, and torch's
-    global module registration hook (``paramupdates/__init__.py`` calls it)."""
+def install() -> list[Any]:
+    """Register the module visitor, the computed-tensor source, and torch's global module registration
+    hook (``paramupdates/__init__.py`` calls it); the target resolver is registered by the first
+    parametrization output (:func:`_resolve_from_now_on`), so that updates do not ask it before."""
     return [
         hooks.register_module_visitor(track),
-        hooks.register_target_resolver(resolve),
+        _ResolverHandle(),
         hooks.register_computed_source(computed_source),
         nn.modules.module.register_module_module_registration_hook(_on_registration),
     ]

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import hooks, routing
+from .. import hooks, state
 from ..conditions import current as current_condition
 from ..origin import Origin, capture
 from ..updates import assign, issue_computed
@@ -55,22 +55,19 @@ from ..updates import assign, issue_computed
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "UpdateSafeBatchNorm"]
 
 
+_local, _process = state.local, state.process
+
+
 def _nothing_records() -> bool:
     """True when an update issued now would simply apply in place: no step, attachment,
     condition, checkpoint segment, recomputation, transform or compilation is active."""
-    if not routing.nothing_records():
-        return False
+    if _local.explicit or _process.attachments or _local.replay is not None or _local.eager_log is not None:
+        return False  # (routing.nothing_records, inlined: a batch norm asks it at every call)
     if current_condition() is not None or torch.compiler.is_compiling():
         return False
     if torch._C._functorch.maybe_current_level() is not None:
         return False
-    return not hooks.in_segment()
-
-
-def _under_functorch() -> bool:
-    if torch.compiler.is_compiling():
-        return False
-    return torch._C._functorch.maybe_current_level() is not None
+    return not (hooks.saved_tensors_hooks(True) and hooks.in_segment())
 
 
 @functools.cache
@@ -126,14 +123,16 @@ class UpdateSafeBatchNorm:
             return None
         return capture(3, False, _updated_by(type(self)))  # type: ignore[return-value]  # (an Origin eagerly)
 
-    def _sync(self) -> str | None:
-        return "mean" if self.sync_stats else None
-
     def _train_with_stats(self, input: Tensor, origin: Origin | str | None = None) -> Tensor:
         """Normalize with the batch statistics and issue the three running-statistics updates
         (``origin``: the call site they show, if the caller knows it; else the caller's line)."""
-        rm, rv, nbt = self._stats()  # pending values (rule 1)
-        assert rm is not None and rv is not None
+        compiling = torch.compiler.is_compiling()
+        if compiling:
+            rm, rv, nbt = self.running_mean, self.running_var, self.num_batches_tracked
+        else:  # the slots themselves: Module.__getattr__'s slow path costs ~0.6 us a read
+            b = self._buffers
+            rm, rv, nbt = b.get("running_mean"), b.get("running_var"), b.get("num_batches_tracked")
+        assert rm is not None and rv is not None  # (pending values inside a step: rule 1)
         factor = 0.0 if self.momentum is None else float(self.momentum)
         counted: list[tuple[Tensor, str, Any, Tensor]] = []
         if nbt is not None:
@@ -144,11 +143,11 @@ class UpdateSafeBatchNorm:
                 cond = current_condition()
                 seen = torch.where(cond, new_nbt, nbt) if isinstance(cond, Tensor) else new_nbt
                 factor = 1.0 / float(seen)
-        if _under_functorch():
+        if not compiling and torch._C._functorch.maybe_current_level() is not None:  # under torch.func
             out, new_mean, new_var = self._functional_stats(input, rm, rv, factor)
         else:
             new_mean, new_var, out = self._batch_stats(input, rm, rv, factor)
-        sync = self._sync()
+        sync = "mean" if self.sync_stats else None
         if sync is None:
             issue_computed(
                 [*counted, (rm, "assign", new_mean, new_mean), (rv, "assign", new_var, new_var)], None, 3, origin, self
@@ -160,29 +159,18 @@ class UpdateSafeBatchNorm:
             )
         return out
 
-    def _stats(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-        """``(running_mean, running_var, num_batches_tracked)`` as the module's slots show them (the pending
-        values inside a step): read from ``_buffers`` eagerly, ``Module.__getattr__``'s slow path costs
-        ~0.6 us a read (a third of what pu adds per batch norm on the launch-bound benchmark)."""
-        if torch.compiler.is_compiling():
-            return self.running_mean, self.running_var, self.num_batches_tracked
-        b = self._buffers
-        return b.get("running_mean"), b.get("running_var"), b.get("num_batches_tracked")
-
-    def _affine(self) -> tuple[Tensor | None, Tensor | None]:
-        """``(weight, bias)``, from ``_parameters`` eagerly where they are there (a parametrized weight is
-        a property of the module's class: read as an attribute)."""
-        p = self._parameters
-        if torch.compiler.is_compiling() or "weight" not in p or "bias" not in p:
-            return self.weight, self.bias
-        return p["weight"], p["bias"]
-
     def _batch_stats(self, input: Tensor, rm: Tensor, rv: Tensor, factor: float) -> tuple[Tensor, Tensor, Tensor]:
         """PyTorch's kernel updates copies of the running buffers in place; the copies become the
         pending values (bitwise torch's result)."""
         new_mean = rm.clone()
         new_var = rv.clone()
-        weight, bias = self._affine()
+        # (weight, bias) from _parameters eagerly where they are there (a parametrized weight is a
+        # property of the module's class: read as an attribute)
+        p = self._parameters
+        if torch.compiler.is_compiling() or "weight" not in p or "bias" not in p:
+            weight, bias = self.weight, self.bias
+        else:
+            weight, bias = p["weight"], p["bias"]
         # F.batch_norm's own two steps, called directly: its check (torch's own function), then
         # torch.batch_norm (the same kernel; __torch_function__ overrides are still found, by
         # torch.batch_norm). Its Python wrapper costs 2.3 us a call where the kernel of a small layer

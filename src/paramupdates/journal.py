@@ -267,8 +267,7 @@ class Journal:
         # is not re-run by autograd: checkpointing inside it is a graph op.)
         if replay is None and not how.traced:
             self._refuse_in_backward(e.name, op, origin)
-        # sharding hook: asked only for a model with DTensor tensors (FSDP2), decided at its index's build
-        support = None if how.traced or not self.index.sharded else hooks.sharding_support()
+        support = None if how.traced else hooks.sharding_support()
         if support is not None and not e.records:
             support.check_update(self, e, f"pu.{op}", origin)  # sharding hook: FSDP's temporary parameters
         cond = _local.conditions[-1]

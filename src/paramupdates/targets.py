@@ -50,7 +50,6 @@ class ModelIndex:
         # tensors passed in; ``pu.func``'s own index). A model's index keeps its stored tensors then.
         self.reparametrized = reparametrized
         self._containers: list[weakref.ref] = []
-        self.sharded = False
         self._shape_key: tuple[int, tuple[int, ...] | None] | None = None
         self.build()
 
@@ -118,9 +117,7 @@ class ModelIndex:
         self.by_id = by_id
         self.modules = modules
         self.has_meta = has_meta  # some tensor is on the meta device (no values: nothing to step)
-        # some tensor is a DTensor (FSDP2): the sharding support is asked about this model's updates and
-        # commits; sticky (inside FSDP's forward the slots hold its temporary unsharded parameters)
-        self.sharded = self.sharded or any(info.sharded for info in by_id.values())
+
         self._containers = containers
         self._shape_key = (struct, _sizes(containers))
 

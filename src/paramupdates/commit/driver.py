@@ -230,10 +230,8 @@ class Commit:
         together (one small all-reduce, unless the sync carried it), and no write may go into a
         parameter whose memory FSDP has freed."""
         j = self.journal
-        if not j.index.sharded or not (j.entries or j.rows):
-            return remote_bad  # (a model without DTensor tensors: the sharding support is not asked)
         support = hooks.sharding_support()
-        if support is None or not support.model_sharded(j.index):
+        if support is None or not (j.entries or j.rows) or not support.model_sharded(j.index):
             return remote_bad
         self._guard_storage()
         if self.options.checks_finite and not agreed:

@@ -434,8 +434,8 @@ class Attachment(Owner):
     def _take_over(self, earlier: Attachment, journal: Journal | None) -> None:
         """Continue where ``earlier`` (of the same model and optimizer, detached) stopped: its pending
         updates (``journal``, committed by this attachment's next optimizer step) and its counters."""
-        self.steps, self.skipped_steps, self._closed = earlier.steps, earlier.skipped_steps, earlier._closed
-        self._last, self._last_skipped = earlier._last, earlier._last_skipped
+        for name in ("_n_applied", "_n_skipped", "_n_on_device", "_skipped_on_device", "_last_ok", "_closed", "_last"):
+            setattr(self, name, getattr(earlier, name))
         if journal is not None:
             journal.label = self.label
             self.journal = journal

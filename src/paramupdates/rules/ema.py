@@ -68,6 +68,12 @@ fails, the buffers do not pair), a non-persistent buffer (``buffers()`` still
 misaligned, and not saved), ``get_extra_state`` (an ``_extra_state`` key the
 model refuses). ``pu.rules.ema.rule_of(copy).updates`` reads and sets ``t``.
 
+Under a step's device-side verdict ``ok`` (``on_nonfinite="skip"`` decided on the device, rule 7)
+the new average is computed out of place and selected, ``a <- where(ok, lerp(a, p, w), a)`` (a
+temporary per group of pairs: ``lerp(a, p, 0)`` is not ``a`` bitwise, it turns ``-0.0`` into
+``+0.0``), and ``t`` counts the skipped update on the device (:class:`Counter`). An EMA with a warmup
+needs ``t`` on the host for ``d_t``: its steps are decided on the host (one sync).
+
 ``torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay),
 use_buffers=True)`` computes the same floating-point average bitwise, except:
 its first ``update_parameters`` copies instead of averaging (call it once at
@@ -91,6 +97,7 @@ from torch import nn
 
 from .. import hooks, routing, sharding, state
 from ..errors import UpdateError, listed
+from ..ops import select_
 from ..origin import call_site
 from ..phases import AFTER_STEP
 from ..refs import WatchedRef
@@ -125,11 +132,33 @@ class Counter:
     Two hooks on the copy's root module carry it through the copy's ``state_dict``: :class:`SaveCounter`
     writes it into the state_dict's metadata for the copy (``state_dict._metadata[prefix]``, which
     ``torch.save`` keeps and ``load_state_dict`` hands the module back as its ``local_metadata``), and
-    :class:`LoadCounter` reads it back. A plain Python int: no device tensor, no sync to read it.
+    :class:`LoadCounter` reads it back. A plain Python int, no sync to read it; after updates whose
+    verdict was taken on the device, ``skipped`` (a 0-dim int64 tensor there) counts those of them that
+    were skipped, and :meth:`value` reads it once (a wait for the device, made by whoever reads ``t``).
     """
 
     def __init__(self, t: int = 0) -> None:
         self.t = t
+        self.skipped: torch.Tensor | None = None
+
+    def value(self) -> int:
+        """``t``: the updates counted, less those skipped on the device."""
+        if self.skipped is not None:
+            self.t -= int(self.skipped)
+            self.skipped = None
+        return self.t
+
+    def set(self, t: int) -> None:
+        self.t, self.skipped = int(t), None
+
+    def count(self, ok: torch.Tensor | None) -> None:
+        """One more update: applied (``ok`` None), or applied where the device verdict ``ok`` holds."""
+        self.t += 1
+        if ok is not None:
+            if self.skipped is None or self.skipped.device != ok.device:
+                self.skipped = (~ok).to(torch.int64) + (0 if self.skipped is None else self.skipped.to(ok.device))
+            else:
+                self.skipped.add_(~ok)
 
 
 class SaveCounter:
@@ -139,7 +168,7 @@ class SaveCounter:
         self.counter = counter
 
     def __call__(self, module: nn.Module, state_dict: Any, prefix: str, local_metadata: dict[str, Any]) -> None:
-        local_metadata[COUNTER] = self.counter.t
+        local_metadata[COUNTER] = self.counter.value()
 
 
 class LoadCounter:
@@ -169,7 +198,7 @@ class LoadCounter:
         if t is None and old is not None:
             t = int(old)
         if t is not None:
-            self.counter.t = int(t)
+            self.counter.set(int(t))
 
 
 def counter_of(module: nn.Module) -> Counter | None:
@@ -369,12 +398,13 @@ class EMA(Rule):
     # --- the step counter t ------------------------------------------------
     @property
     def updates(self) -> int:
-        """``t``: the number of EMA updates so far (saved in the copy's ``state_dict`` metadata)."""
-        return self._counter.t
+        """``t``: the number of EMA updates so far (saved in the copy's ``state_dict`` metadata). After
+        updates decided on the device, reading it waits for the device once."""
+        return self._counter.value()
 
     @updates.setter
     def updates(self, value: int) -> None:
-        self._counter.t = int(value)
+        self._counter.set(value)
 
     # --- ownership -------------------------------------------------------
     def alive(self) -> bool:
@@ -435,7 +465,11 @@ class EMA(Rule):
             self._build()
             self._key = storage_key(self._pairs, self._sub)  # (_build may have moved or re-paired the copy)
             self._where = [(t.dtype, t.device) for t in self._src]
-        self._weight = 1.0 - self.decay_at(self.updates)  # a user warmup callable fails here, before writes
+        self._weight = self._weight_now()  # a user warmup callable fails here, before writes
+
+    def _weight_now(self) -> float:
+        """``1 - d_t`` (``t`` is read only where ``d_t`` depends on it: a warmup)."""
+        return 1.0 - (self.decay if self.gates else self.decay_at(self.updates))
 
     def fingerprint(self) -> list[torch.Tensor] | None:
         return self._pairs
@@ -443,7 +477,7 @@ class EMA(Rule):
     def revalidate(self, ctx: CommitContext, held: list[torch.Tensor], bound: Any = None) -> bool:
         if self._key is None:
             return False
-        self._weight = 1.0 - self.decay_at(self.updates)
+        self._weight = self._weight_now()
         return True
 
     def _expected(self, dtype: torch.dtype, device: torch.device) -> tuple[torch.dtype, torch.device]:
@@ -479,7 +513,7 @@ class EMA(Rule):
                 for s, d in zip(self._src, self._dst):
                     if s.shape == d.shape and not sharding.is_sharded(s):
                         d.copy_(s.detach().to(d.device))
-                self._counter.t = 0
+                self._counter.set(0)
             for i in moved:
                 s, d = self._src[i], self._dst[i]
                 if s.shape != d.shape or sharding.is_sharded(d) or (d.dtype, d.device) != self._expected(*seen[i]):
@@ -551,13 +585,22 @@ class EMA(Rule):
             )
         return self._aliased
 
+    @property
+    def gates(self) -> bool:  # type: ignore[override]
+        """Applies under a device verdict (selected; ``t`` counted on the device) unless ``d_t`` needs ``t``
+        on the host (a warmup)."""
+        return self.warmup is None or self.warmup is False
+
     def apply(self, ctx: CommitContext) -> None:
+        ok = ctx.ok
         with plain_if(self._sub):
             if not self.foreach:  # the reference path: one pair at a time
-                _single_tensor_ema(self._dst, self._src, self._avg, self._weight)
+                _single_tensor_ema(self._dst, self._src, self._avg, self._weight, ok)
+            elif ok is not None:
+                _gated_multi_tensor_ema(*self._lists(), self._weight, ok)
             else:
                 _multi_tensor_ema(*self._lists(), self._weight)
-        self._counter.t += 1
+        self._counter.count(ok)
 
     # --- state -------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -569,20 +612,26 @@ class EMA(Rule):
         self.updates = int(state["updates"])
 
     def save(self) -> Any:
-        return self.updates
+        c = self._counter
+        return c.t, (None if c.skipped is None else c.skipped.clone())  # (not read: no wait)
 
     def restore(self, saved: Any) -> None:
-        self.updates = saved
+        self._counter.t, self._counter.skipped = saved
 
 
-def _single_tensor_ema(avg: list[torch.Tensor], src: list[torch.Tensor], averaged: list[bool], w: float) -> None:
+def _single_tensor_ema(
+    avg: list[torch.Tensor], src: list[torch.Tensor], averaged: list[bool], w: float, ok: torch.Tensor | None = None
+) -> None:
     """``a <- lerp(a, p, w)`` pair by pair, ``w = 1 - d_t`` (``a * (1 - w) + p * w`` where the dtypes
     differ; ``p`` first copied to ``a``'s device where the devices differ); a pair that is not
-    averaged (a non-floating buffer) is copied."""
+    averaged (a non-floating buffer) is copied. Under a device verdict ``ok``: ``a <- where(ok, new, a)``."""
     for d, s, a in zip(avg, src, averaged):
         if d.device != s.device:
             s = s.to(device=d.device)
-        if not a:
+        if ok is not None:
+            new = s if not a else d.lerp(s, w) if d.dtype == s.dtype else d.mul(1.0 - w).add_(s, alpha=w)
+            select_(ok, [d], [new])
+        elif not a:
             d.copy_(s)
         elif d.dtype == s.dtype:
             d.lerp_(s, w)
@@ -611,6 +660,30 @@ def _multi_tensor_ema(lerp: Pairs, mixed: Pairs, copied: Pairs, moved: list[tupl
             _mixed_lerp_(d, here, w)
         else:
             torch._foreach_copy_(d, here)
+
+
+def _gated_multi_tensor_ema(
+    lerp: Pairs, mixed: Pairs, copied: Pairs, moved: list[tuple[Any, Any, str]], w: float, ok: torch.Tensor
+) -> None:
+    """:func:`_multi_tensor_ema` under a device verdict ``ok``: each group's new values out of place (the
+    same kernels), then ``a <- where(ok, new, a)`` (``ops.select_``)."""
+    for d, s in lerp:
+        select_(ok, d, torch._foreach_lerp(d, s, w))
+    for d, s in mixed:
+        select_(ok, d, _mixed_lerp(d, s, w))
+    for d, s in copied:
+        select_(ok, d, s)
+    for d, s, how in moved:
+        here = [t.to(device=d[0].device) for t in s]
+        new = torch._foreach_lerp(d, here, w) if how == "lerp" else _mixed_lerp(d, here, w) if how == "mixed" else here
+        select_(ok, d, new)
+
+
+def _mixed_lerp(d: list[torch.Tensor], s: list[torch.Tensor], w: float) -> list[torch.Tensor]:
+    """``d * (1 - w) + s * w`` out of place (:func:`_mixed_lerp_`'s kernels)."""
+    new = torch._foreach_mul(d, 1.0 - w)
+    torch._foreach_add_(new, s, alpha=w)
+    return new
 
 
 def _mixed_lerp_(d: list[torch.Tensor], s: list[torch.Tensor], w: float) -> None:

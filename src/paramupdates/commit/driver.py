@@ -4,7 +4,7 @@ Every way of ending a step commits through :class:`Commit` (``pu.step``,
 ``Stepper``, ``pu.attach`` and ``Attachment.flush``)::
 
     c = Commit(journal, optimizer, options, caches, seq)
-    c.begin()              # validate: hide the overlay, sync, finiteness; False: skip the step
+    c.begin()              # validate: hide the overlay, sync, finiteness; False: skip the step (host verdict)
     c.before_optimizer()   # the rules' checks (before any write), then phase before_grad
     c.run_optimizer()      # phase grad: optimizer.step()   (or c.optimizer_stepped() under attach)
     c.finish()             # after_grad, auxiliary, after_step
@@ -16,6 +16,13 @@ optimizer has called the closure, so :meth:`Commit.wrap_closure` runs ``begin``
 and ``before_optimizer`` right after the closure's first call returns, before
 the optimizer uses the gradients: ``before_grad`` rules (weight decay, and
 which parameters it decays) see this step's gradients, as ``AdamW`` does.
+
+The verdict of ``on_nonfinite="skip"`` (and of a ``scaler=``) is taken on the device where every writer
+can take it (:meth:`Commit._decides_on_device`): ``begin`` then returns True with ``Commit.ok``, a 0-dim
+bool tensor never read on the host, under which every phase applies (the rules through
+``CommitContext.ok``, the pending values selected by ``ops.select_``, the optimizer through
+``found_inf``, its kernel's skip). A skipped step so decided leaves everything bitwise as before it,
+as the host's skip does.
 
 Validation before the first write: shape, dtype kind and device are checked
 when an update is issued; at :meth:`Commit.begin` synced values are reduced

@@ -86,6 +86,7 @@ from __future__ import annotations
 import copy
 import math
 import sys
+import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -98,7 +99,7 @@ from torch import nn
 from .. import hooks, routing, sharding, state
 from ..errors import UpdateError, listed
 from ..ops import select_
-from ..origin import call_site
+from ..origin import call_site, is_internal
 from ..phases import AFTER_STEP
 from ..refs import WatchedRef
 from ..schedule import ScheduleEntry
@@ -137,9 +138,12 @@ class Counter:
     were skipped, and :meth:`value` reads it once (a wait for the device, made by whoever reads ``t``).
     """
 
-    def __init__(self, t: int = 0) -> None:
+    def __init__(self, t: int = 0, origin: str = "", warmup: bool = False) -> None:
         self.t = t
         self.skipped: torch.Tensor | None = None
+        self.origin = origin  # (for the warning of :class:`LoadCounter`)
+        self.warmup = warmup  # d_t depends on t
+        self.quiet = False  # loading through the rule's own state, which carries t as a plain entry
 
     def value(self) -> int:
         """``t``: the updates counted, less those skipped on the device."""
@@ -176,7 +180,10 @@ class LoadCounter:
 
     A state_dict saved by an earlier version holds ``t`` as the tensor ``prefix + "pu_ema_updates"``: it is
     taken (and removed, so that strict loading passes). A state_dict that carries no ``t`` (the
-    model's own, or one rebuilt as a plain dict, which drops the metadata) leaves ``t`` as it is.
+    model's own, or one rebuilt as a plain dict, which drops the metadata) leaves ``t`` as it is. A
+    rebuilt plain dict (``torch.distributed.checkpoint``, safetensors, ``dict(sd)``: no metadata at all)
+    loaded into the copy of an EMA with a warmup warns (:class:`~paramupdates.AccountingWarning`): the
+    averaged weights are those saved, but the warmup goes on from this ``t``, not the saved one.
     """
 
     def __init__(self, counter: Counter) -> None:
@@ -199,6 +206,37 @@ class LoadCounter:
             t = int(old)
         if t is not None:
             self.counter.set(int(t))
+        elif not local_metadata and self.counter.warmup and not self.counter.quiet:
+            _warn_counter_lost(self.counter, type(module).__name__)
+
+
+def _warn_counter_lost(counter: Counter, what: str) -> None:
+    """:class:`~paramupdates.AccountingWarning`: a copy loaded from a state_dict that dropped its ``t``."""
+    from ..errors import AccountingWarning
+
+    site = call_site(2)
+    warnings.warn(
+        f"pu.ema (declared at {counter.origin}): its averaged copy ({what}) was loaded at {site} from a state_dict that "
+        "does not carry the EMA's update counter t (a plain dict: torch.distributed.checkpoint, safetensors and "
+        "dict(state_dict) drop the state_dict's metadata, where the copy keeps t). The averaged weights are the "
+        f"loaded ones, but t stays {counter.value()}, and the warmup's decay d_t follows t. Checkpoint the "
+        "state_dict() of the pu.Stepper or attachment (or pu.rules.ema.rule_of(copy), which DCP takes as a "
+        "Stateful) with the copy: it carries t as a plain entry. Or set pu.rules.ema.rule_of(copy).updates "
+        "after loading.",
+        AccountingWarning,
+        stacklevel=_outside_stacklevel(),
+    )
+
+
+def _outside_stacklevel() -> int:
+    """The ``stacklevel`` of a warning that points at the first frame outside paramupdates and torch (the
+    user's ``load_state_dict`` or ``dcp.load`` call, not torch's hook runner)."""
+    frame = sys._getframe(2)
+    level = 2
+    while frame is not None and is_internal(frame.f_code.co_filename):
+        frame = frame.f_back
+        level += 1
+    return level
 
 
 def counter_of(module: nn.Module) -> Counter | None:
@@ -281,7 +319,7 @@ class EMA(Rule):
         self._aliased: tuple[Any, ...] | None = None  # the same lists, of plain aliases (eager commits)
         # t: beside the copy, carried by the copy's state_dict metadata (no tensor: the copy's
         # parameters and buffers are the model's, name for name)
-        self._counter = Counter()
+        self._counter = Counter(origin=str(origin), warmup=not (warmup is None or warmup is False))
         module.register_state_dict_post_hook(SaveCounter(self._counter))
         module.register_load_state_dict_pre_hook(LoadCounter(self._counter))
         # the model's tensors as the copy was last made for (dtype, device): the copy follows the model
@@ -608,7 +646,12 @@ class EMA(Rule):
         return {"module": self.module.state_dict(), "updates": self.updates, "decay": self.decay}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.module.load_state_dict(state["module"])  # (a state saved by an earlier version: t as a tensor, taken)
+        c = self._counter
+        c.quiet = True  # (t is in state: a checkpoint that dropped the copy's metadata loses nothing)
+        try:
+            self.module.load_state_dict(state["module"])  # (a state saved by an earlier version: t as a tensor, taken)
+        finally:
+            c.quiet = False
         self.updates = int(state["updates"])
 
     def save(self) -> Any:

@@ -628,3 +628,34 @@ def test_ema_of_a_compiled_module_stepped_compiled():
         assert_same(snapshot(ref, ref_avg), snapshot(m, avg))
     finally:
         torch._dynamo.reset()
+
+
+def test_a_dcp_checkpoint_keeps_t_through_the_attachment_and_says_when_the_copy_alone_loses_it(tmp_path):
+    """``torch.distributed.checkpoint`` rebuilds state dicts as plain dicts, dropping the metadata where the
+    copy keeps t, and loads a ``Stateful`` into the state_dict it made itself. Saved and loaded with the
+    attachment (t a plain entry of its state) beside the copy, t and the average come back bitwise, in
+    either order of the keys (before, the copy loaded after the attachment took back the t its own
+    state_dict held before the load: 0). The copy alone: the average loads, t stays, and that is warned."""
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    import warnings
+
+    def setup():
+        pu.testing.reset()
+        net = _bn_net()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        return net, opt, pu.ema(net, 0.99, warmup=10), pu.attach(net, opt)
+
+    net, opt, avg, att = setup()
+    _steps(net, opt, _data(3))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # (one process)
+        dcp.save({"pu": att, "swa": avg}, checkpoint_id=tmp_path / "ckpt")
+        _net2, _opt2, avg2, att2 = setup()
+        dcp.load({"pu": att2, "swa": avg2}, checkpoint_id=tmp_path / "ckpt")  # "pu" loads first, then "swa"
+        assert rule_of(avg2).updates == 3
+        assert_same(snapshot(avg), snapshot(avg2))
+        _net3, _opt3, avg3, _att3 = setup()
+        with pytest.warns(pu.AccountingWarning, match=r"loaded at tests/test_ema.py:\d+ .* t stays 0"):
+            dcp.load({"swa": avg3}, checkpoint_id=tmp_path / "ckpt")
+    assert rule_of(avg3).updates == 0
+    assert_same(snapshot(avg), snapshot(avg3))  # (the average itself is there)

@@ -59,8 +59,12 @@ too), and read back by a ``load_state_dict`` pre-hook (PyTorch hands each module
 its metadata there). What rebuilds the state_dict as a plain dict
 (``dict(sd)``, a comprehension, safetensors, ``torch.distributed.checkpoint``)
 drops the metadata and with it ``t``: a load without ``t`` leaves ``t`` as it
-is. The ``state_dict()`` of every Stepper or attachment whose model owns the
-averaged tensors also holds ``t`` (``"updates"``), as a plain entry. A
+is, and so does the copy's own last state_dict handed back to it (DCP loads a
+``Stateful`` into the state_dict it made: that ``t`` is the copy's, not the
+checkpoint's); where such a load brings weights without their ``t`` into an EMA
+with a warmup, it warns. The ``state_dict()`` of every Stepper or attachment
+whose model owns the averaged tensors also holds ``t`` (``"updates"``), as a
+plain entry: checkpoint it (or the rule, ``rule_of(copy)``) with the copy. A
 state_dict saved by earlier versions, when ``t`` was the copy's buffer
 ``pu_ema_updates``, still loads (strictly): the pre-hook takes ``t`` from it.
 The alternatives: a buffer (the layout before: strict loading into the model
@@ -84,6 +88,7 @@ creation to align), and it "averages" integer buffers in float and truncates
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import sys
 import warnings
@@ -144,6 +149,10 @@ class Counter:
         self.origin = origin  # (for the warning of :class:`LoadCounter`)
         self.warmup = warmup  # d_t depends on t
         self.quiet = False  # loading through the rule's own state, which carries t as a plain entry
+        # the metadata entry of the last state_dict the copy made (``load_state_dict`` copies the dict but
+        # passes its metadata on), the copy's version counters and t then: a load of that very state_dict,
+        # its tensors written in place since while t was not, loads weights without their t
+        self.handed: tuple[dict, tuple[int, ...], int] | None = None
 
     def value(self) -> int:
         """``t``: the updates counted, less those skipped on the device."""
@@ -172,7 +181,14 @@ class SaveCounter:
         self.counter = counter
 
     def __call__(self, module: nn.Module, state_dict: Any, prefix: str, local_metadata: dict[str, Any]) -> None:
-        local_metadata[COUNTER] = self.counter.value()
+        c = self.counter
+        local_metadata[COUNTER] = c.value()
+        c.handed = (local_metadata, _versions(module), c.t)
+
+
+def _versions(module: nn.Module) -> tuple[int, ...]:
+    """The version counters of the copy's tensors (their local shards): what an in-place load moves."""
+    return tuple(sharding.local(t)._version for t in itertools.chain(module.parameters(), module.buffers()))
 
 
 class LoadCounter:
@@ -180,10 +196,13 @@ class LoadCounter:
 
     A state_dict saved by an earlier version holds ``t`` as the tensor ``prefix + "pu_ema_updates"``: it is
     taken (and removed, so that strict loading passes). A state_dict that carries no ``t`` (the
-    model's own, or one rebuilt as a plain dict, which drops the metadata) leaves ``t`` as it is. A
-    rebuilt plain dict (``torch.distributed.checkpoint``, safetensors, ``dict(sd)``: no metadata at all)
-    loaded into the copy of an EMA with a warmup warns (:class:`~paramupdates.AccountingWarning`): the
-    averaged weights are those saved, but the warmup goes on from this ``t``, not the saved one.
+    model's own, or one rebuilt as a plain dict, which drops the metadata) leaves ``t`` as it is, as
+    does the copy's own last state_dict handed back (``torch.distributed.checkpoint`` loads a
+    ``Stateful`` into the state_dict it made: its ``t`` is the copy's from then). Where such a load
+    brings weights without their ``t`` (a plain dict with no metadata at all: safetensors,
+    ``dict(sd)``; the copy's own state_dict written in place since, while ``t`` was not: DCP) into the
+    copy of an EMA with a warmup, it warns (:class:`~paramupdates.AccountingWarning`): the averaged
+    weights are those loaded, but the warmup goes on from this ``t``, not the saved one.
     """
 
     def __init__(self, counter: Counter) -> None:
@@ -201,13 +220,29 @@ class LoadCounter:
         error_msgs: list[str],
     ) -> None:
         old = state_dict.pop(prefix + COUNTER, None)  # the earlier layout: a 0-dim int64 buffer
+        c = self.counter
+        handed = c.handed
+        if handed is not None and handed[0] is local_metadata:
+            # the copy's own state_dict handed back: torch.distributed.checkpoint loads a Stateful into the
+            # state_dict it made, in place. The t in its metadata is the copy's from then, not the
+            # checkpoint's: never taken (a Stepper's state loaded since may have set t already)
+            if c.warmup and not c.quiet and _written_in_place(c, module):
+                _warn_counter_lost(c, type(module).__name__)
+            return
         t = local_metadata.get(COUNTER)
         if t is None and old is not None:
             t = int(old)
         if t is not None:
-            self.counter.set(int(t))
-        elif not local_metadata and self.counter.warmup and not self.counter.quiet:
-            _warn_counter_lost(self.counter, type(module).__name__)
+            c.set(int(t))
+        elif not local_metadata and c.warmup and not c.quiet:
+            _warn_counter_lost(c, type(module).__name__)
+
+
+def _written_in_place(c: Counter, module: nn.Module) -> bool:
+    """Whether the copy's tensors were written since it made the state_dict handed back, while ``t`` was
+    not: weights loaded from elsewhere (a checkpoint), with no ``t`` of theirs."""
+    _metadata, versions, t = c.handed  # type: ignore[misc]
+    return c.value() == t and _versions(module) != versions
 
 
 def _warn_counter_lost(counter: Counter, what: str) -> None:
@@ -217,8 +252,8 @@ def _warn_counter_lost(counter: Counter, what: str) -> None:
     site = call_site(2)
     warnings.warn(
         f"pu.ema (declared at {counter.origin}): its averaged copy ({what}) was loaded at {site} from a state_dict that "
-        "does not carry the EMA's update counter t (a plain dict: torch.distributed.checkpoint, safetensors and "
-        "dict(state_dict) drop the state_dict's metadata, where the copy keeps t). The averaged weights are the "
+        "does not carry the EMA's update counter t (torch.distributed.checkpoint, safetensors and a dict rebuilt "
+        "from a state_dict drop the state_dict's metadata, where the copy keeps t). The averaged weights are the "
         f"loaded ones, but t stays {counter.value()}, and the warmup's decay d_t follows t. Checkpoint the "
         "state_dict() of the pu.Stepper or attachment (or pu.rules.ema.rule_of(copy), which DCP takes as a "
         "Stateful) with the copy: it carries t as a plain entry. Or set pu.rules.ema.rule_of(copy).updates "

@@ -163,8 +163,7 @@ class Commit:
             # a scaled gradient overflowed: the scaler's business (torch.amp.GradScaler semantics)
             self.skipped = True
             self._end("done")
-            if self.scaler_opt is None:
-                self._scaler_skip()
+            self._scaler_done()
             return False
         params, grads = self._grads_to_check()
         sharded = j.any_sharded or (bool(grads) and sharding.any_sharded(grads))
@@ -323,6 +322,7 @@ class Commit:
                 return True
             self.skipped = True
             self._end("done")
+            self._scaler_done()
             return False
         bad, bad_grads = nonfinite(j, self._rows_grouped(), grads, sharded)
         if not (bad or bad_grads or remote_bad):
@@ -376,11 +376,19 @@ class Commit:
             scaler.unscale_(opt)
         return bool(sum(v.item() for v in state["found_inf_per_device"].values()))
 
-    def _scaler_skip(self) -> None:
-        """A skipped step under a scaler: the optimizer is left alone and ``scaler.update`` lowers the
-        scale, as ``scaler.step`` then ``scaler.update`` do in a plain GradScaler loop (``scaler.step``
-        is not called: it would read ``found_inf`` on the host a second time)."""
-        self._scaler().update()
+    def _scaler_done(self) -> None:
+        """Under ``pu.step(scaler=)`` the commit drives the scaler: a step that ends without the optimizer's
+        update (skipped, or an exception after the commit unscaled) still ends the scaler's iteration with
+        ``scaler.update()``, as ``scaler.step`` then ``scaler.update`` do in a plain GradScaler loop (the
+        scale backs off after an overflow; ``scaler.step`` is not called: it would read ``found_inf`` on
+        the host a second time). Otherwise the scaler would keep this step's gradients as unscaled, and
+        the next step would take its scaled gradients for unscaled ones."""
+        scaler = self._scaler()
+        if scaler is None or self.scaler_opt is not None:
+            return
+        state = scaler._per_optimizer_states.get(id(self.optimizer))
+        if state is not None and state["stage"] is not OptState.READY:
+            scaler.update()
 
     def _param_name(self, p: torch.Tensor) -> str:
         """``p``'s qualified name in the model, or where the optimizer holds it."""
@@ -530,6 +538,7 @@ class Commit:
         self.journal.hide()
         self.restore_grads()
         self._optimizer_done()
+        self._scaler_done()
         if self.state in ("begun", "checked", "stepped"):
             if self.rollback.enabled:
                 self.rollback.restore()  # the copies, the optimizer's state, the rules' state

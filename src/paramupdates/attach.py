@@ -50,7 +50,9 @@ class Attachment(Owner):
     :meth:`discard` to drop them. Updates still pending when the process exits are never
     committed: warned (:class:`~paramupdates.AccountingWarning`). (An attachment with pending updates
     holds its optimizer: it goes only with its model, which takes the updates along.)
-    :meth:`detach` removes the hooks (and drops pending updates).
+    :meth:`detach` removes the hooks (and drops pending updates). ``applied`` and ``skipped_count`` tell,
+    as tensors read without a wait, whether the last step was applied and how many were skipped
+    (``steps`` / ``skipped_steps``: the same as Python ints).
     :meth:`Attachment.of` finds the attachment of a model again (a lost handle, a re-run cell).
 
     Updates issued inside ``optimizer.step()`` (an LBFGS closure's forward) join the step being

@@ -60,7 +60,7 @@ from ..phases import AFTER_OPTIMIZER, AFTER_STEP, AUXILIARY, BEFORE_GRAD, GRAD, 
 from ..records import Entry, Issued
 from ..rules.base import CommitContext, Rule, RuleSet, rules_for
 from ..schedule import Schedule, ScheduleEntry
-from .finite import device_flag, finite_flag, nonfinite, optimizer_grads, pending_values
+from .finite import device_flag, finite_flag, nonfinite, on_one_device, optimizer_grads, pending_values
 from .rollback import Rollback, SnapshotPool
 
 if TYPE_CHECKING:
@@ -248,7 +248,7 @@ class Commit:
         found = self._found_inf()
         if found is not None:
             clean = found == 0
-            ok = clean if ok is None else ok & clean.to(ok.device, non_blocking=True)
+            ok = clean if ok is None else torch.logical_and(*on_one_device([ok, clean]))
         self.ok = ok
         if self._ctx is not None:
             self._ctx.ok = ok
@@ -265,8 +265,9 @@ class Commit:
             if state["stage"] is OptState.READY:
                 scaler.unscale_(opt)
             found = list(state["found_inf_per_device"].values())
-            dev = found[0].device
-            return found[0] if len(found) == 1 else torch.stack([f.to(dev, non_blocking=True) for f in found]).sum()
+            if not found:  # (no gradients: nothing found; scaler.update() says so, as after scaler.step)
+                return None
+            return found[0] if len(found) == 1 else torch.stack(on_one_device(found)).sum()
         holder = self.scaler_opt if self.scaler_opt is not None else self.optimizer
         return None if holder is None else vars(holder).get("found_inf")
 

@@ -66,10 +66,14 @@ def device_flag(
         if not groups:
             return None
         flags = [group_finite(ts) for ts in groups]
-        if len(flags) == 1:
-            return flags[0]
-        dev = next((f.device for f in flags if not f.is_cpu), flags[0].device)
-        return torch.stack([f.to(dev, non_blocking=True) for f in flags]).all()
+        return flags[0] if len(flags) == 1 else torch.stack(on_one_device(flags)).all()
+
+
+def on_one_device(flags: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``flags`` (0-dim tensors) moved without a wait to one device: an accelerator's where any is on one
+    (a copy onto the CPU that did not wait could be read before it is made), else the CPU."""
+    dev = next((f.device for f in flags if not f.is_cpu), flags[0].device)
+    return [f if f.device == dev else f.to(dev, non_blocking=True) for f in flags]
 
 
 def _nonempty(ts: list[torch.Tensor]) -> list[torch.Tensor]:

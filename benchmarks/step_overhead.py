@@ -7,8 +7,13 @@ same model with update-safe batch norm whose 63 statistics updates per step
 go through a ``pu.step`` transaction (recorded, validated, snapshotted,
 committed with foreach kernels; default settings: no rollback copy) or through
 ``pu.attach`` (an unchanged loop); also ``pu.step(on_nonfinite="skip")`` (the opt-in
-finiteness check, one host sync per step), for its cost. Same weights, same
-data. On CPU each row also shows where the difference lies (forward, backward,
+finiteness check, one host sync per step with this SGD), for its cost. Same weights, same
+data. The skip before and after issue 39, side by side, with ``SGD(fused=True)`` (an
+optimizer that takes the verdict in its kernel, ``found_inf``): the synced skip (the same
+optimizer made to look like one without ``found_inf``: one read per step, as every skip
+was) and the skip decided on the device (no read), each against the eager fused step, and
+the device skip against ``pu.step``'s default commit with the same optimizer (the goal:
+the default commit plus one fused check). On CPU each row also shows where the difference lies (forward, backward,
 commit against ``opt.step()``; not on an accelerator, where reading a clock
 mid-step would need a synchronization that changes the step).
 Goal: <= 1.03x for ``pu.step`` and ``pu.attach`` (docs/design.md, performance contract).
@@ -39,8 +44,8 @@ def _data(batch: int = 32, device: torch.device = CPU) -> tuple[torch.Tensor, to
     return x.to(device), y.to(device)
 
 
-def _opt(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+def _opt(model: nn.Module, fused: bool = False) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, fused=fused)
 
 
 class Parts:
@@ -109,9 +114,32 @@ def _delta(mine: tuple[float, float, float], base: tuple[float, float, float]) -
     return f"; vs eager: forward {f:+.1f}, backward {b:+.1f}, commit vs opt.step() {c:+.1f} ms"
 
 
-def build(bn: type[nn.Module], device: torch.device = CPU) -> tuple[nn.Module, torch.optim.Optimizer]:
+def build(
+    bn: type[nn.Module], device: torch.device = CPU, fused: bool = False
+) -> tuple[nn.Module, torch.optim.Optimizer]:
     model = resnet(bn).to(device)
-    return model, _opt(model)
+    return model, _opt(model, fused)
+
+
+SKIP_SYNCED = "pu.step(on_nonfinite='skip') synced, as before (fused SGD)"
+SKIP_DEVICE = "pu.step(on_nonfinite='skip') on the device (fused SGD)"
+
+
+def _skip_variants(bn: type[nn.Module], device: torch.device, x, y) -> dict[str, Callable[[], None]]:
+    """The skip before and after, side by side: the eager fused step, ``pu.step``'s default commit, the
+    synced skip (``_step_supports_amp_scaling`` hidden: the commit reads its check on the host, as every
+    skip did before) and the skip decided on the device, all with ``SGD(fused=True)``."""
+    m_e, o_e = build(nn.BatchNorm2d, device, fused=True)
+    m_d, o_d = build(bn, device, fused=True)
+    m_s, o_s = build(bn, device, fused=True)
+    o_s._step_supports_amp_scaling = False  # type: ignore[attr-defined]
+    m_v, o_v = build(bn, device, fused=True)
+    return {
+        "eager (fused SGD)": eager_step(m_e, o_e, x, y),
+        "pu.step (fused SGD)": pu_step(m_d, o_d, x, y),
+        SKIP_SYNCED: pu_step(m_s, o_s, x, y, on_nonfinite="skip"),
+        SKIP_DEVICE: pu_step(m_v, o_v, x, y, on_nonfinite="skip"),
+    }
 
 
 def run(device: torch.device = CPU, repeats: int = 9, steps: int = 2) -> list[dict]:
@@ -130,6 +158,7 @@ def run(device: torch.device = CPU, repeats: int = 9, steps: int = 2) -> list[di
         "pu.step": pu_step(m_step, o_step, x, y, parts.get("pu.step")),
         "pu.attach": eager_step(m_att, o_att, x, y, parts.get("pu.attach")),
         "pu.step(on_nonfinite='skip')": pu_step(m_fast, o_fast, x, y, on_nonfinite="skip"),
+        **_skip_variants(bn, device, x, y),
     }
     try:
         times = interleaved(variants, repeats=repeats, steps=steps)
@@ -138,20 +167,24 @@ def run(device: torch.device = CPU, repeats: int = 9, steps: int = 2) -> list[di
     n_bn = count_bn(m_step)
     base = parts["eager"].median() if on_cpu else None
     rows = []
-    for name, goal in (
-        ("pu.step", 1.03),
-        ("pu.attach", 1.03),
-        ("pu.step(on_nonfinite='skip')", None),
+    for name, goal, ref in (
+        ("pu.step", 1.03, "eager"),
+        ("pu.attach", 1.03, "eager"),
+        ("pu.step(on_nonfinite='skip')", None, "eager"),
+        ("pu.step (fused SGD)", 1.03, "eager (fused SGD)"),
+        (SKIP_SYNCED, None, "eager (fused SGD)"),
+        (SKIP_DEVICE, None, "eager (fused SGD)"),
+        (SKIP_DEVICE, None, "pu.step (fused SGD)"),
     ):
-        r = ratios(times, name, "eager")
+        r = ratios(times, name, ref)
         rows.append(
             {
                 "bench": f"(b) ResNet-20 ({n_bn} BN), batch 32, SGD",
-                "variant": f"{name} / eager",
+                "variant": f"{name} / {ref}",
                 "ratio": r,
                 "goal": goal,
                 "note": f"ratio of minima {r.of_min:.3f}; {ms(r.s)} vs {ms(r.base_s)} ms/step"
-                + (_delta(parts[name].median(), base) if name in parts and base is not None else ""),
+                + (_delta(parts[name].median(), base) if name in parts and base is not None and ref == "eager" else ""),
             }
         )
     return rows

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import paramupdates as pu
+from test_no_sync import Syncs
 
 from conftest import assert_same, snapshot
 
@@ -168,3 +169,40 @@ def test_the_readmes_ema_is_useful_after_a_short_run():
         )
     pu.testing.reset()
     assert model_acc > 0.7 and copy_acc > model_acc - 0.1, (model_acc, copy_acc)
+
+
+def test_the_schedules_of_guarantees_md_count_applied_updates_only():
+    """The two learning-rate recipes of docs/guarantees.md ("Skipped steps"), run over batches of which
+    one has a NaN (its step skipped on the device, fused AdamW): each schedule has advanced once per
+    applied update, and the second never read a tensor on the host."""
+    blocks = [b for b in _python_blocks("docs/guarantees.md") if "att.applied" in b]
+    assert len(blocks) == 2
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)) for _ in range(6)]
+    batches[2][0][0, 0] = float("nan")
+    for i, block in enumerate(blocks):
+        pu.testing.reset()
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        ns = {
+            "torch": torch,
+            "pu": pu,
+            "model": model,
+            "opt": torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True),
+            "loss_fn": nn.functional.mse_loss,
+            "batches": batches,
+            "warmup": 4,
+            "base_lr": 1e-2,
+        }
+        with Syncs() as counter:
+            exec(compile(block, "docs/guarantees.md", "exec"), ns)  # noqa: S102 - our own docs
+        with Syncs() as made:  # (torch's optimizer checks a tensor learning rate when it is made)
+            torch.optim.AdamW(nn.Linear(1, 1).parameters(), lr=torch.tensor(1e-2), fused=True)
+        assert counter.calls == (["__bool__"] * 6 if i == 0 else made.calls), counter.calls  # (the first: the `if`)
+        att = ns["att"]
+        assert (att.steps, att.skipped_steps) == (5, 1)
+        lr = ns["opt"].param_groups[0]["lr"]
+        if i == 0:
+            assert ns["scheduler"].last_epoch == 5 and lr == 1e-2 * min(1.0, 6 / 4)
+        else:
+            assert int(ns["applied"]) == 5 and torch.equal(lr, 1e-2 * torch.clamp(torch.tensor(6) / 4, max=1.0))

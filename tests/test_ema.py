@@ -326,8 +326,42 @@ def test_counter_travels_with_a_module_that_holds_the_copy(tmp_path):
     fresh.load_state_dict(sd)
     assert rule_of(fresh.ema).updates == 4
     assert_same(snapshot(h), snapshot(fresh))
-    fresh.load_state_dict(dict(sd))  # a plain dict: no metadata, t left as it is
-    assert rule_of(fresh.ema).updates == 4
+    rule_of(fresh.ema).updates = 2
+    with pytest.warns(pu.AccountingWarning, match=r"update counter t .* t stays 2") as rec:
+        fresh.load_state_dict(dict(sd))  # a plain dict: no metadata, t left as it is, and said
+    assert rule_of(fresh.ema).updates == 2
+    assert rec[0].filename == __file__  # (the user's load call, not torch's hook runner)
+
+
+def test_a_plain_dict_without_the_counter_warns_for_a_warmup_only(tmp_path):
+    """A state_dict rebuilt as a plain dict (safetensors, ``{k: v.cpu() ...}``, DCP's flattening) drops the
+    metadata where the copy keeps t: loading it into the copy of an EMA with a warmup keeps t as it is and
+    warns (pu.AccountingWarning: the rule, its declaration site, the load's call site, the fix), since the
+    warmup goes on from that t; an EMA without warmup, whose decay does not depend on t, loads quietly, and
+    so does a Stepper's or attachment's state_dict (it carries t as a plain entry)."""
+    for warmup in (None, 10):
+        pu.testing.reset()
+        net = _bn_net()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        avg = pu.ema(net, 0.9, warmup=warmup)
+        att = pu.attach(net, opt)
+        _steps(net, opt, _data(3))
+        plain = {k: v.clone() for k, v in avg.state_dict().items()}
+        state = att.state_dict()
+        state["rules"] = {
+            k: {**v, "module": {n: t.clone() for n, t in v["module"].items()}} for k, v in state["rules"].items()
+        }
+        rule_of(avg).updates = 0
+        if warmup is None:
+            avg.load_state_dict(plain)
+        else:
+            with pytest.warns(
+                pu.AccountingWarning, match=r"declared at tests/test_ema.py:\d+.*loaded at tests/test_ema.py:\d+"
+            ):
+                avg.load_state_dict(plain)
+        assert rule_of(avg).updates == 0
+        att.load_state_dict(state)  # (no warning: t comes with it)
+        assert rule_of(avg).updates == 3
 
 
 def test_a_state_saved_with_the_counter_buffer_still_loads(tmp_path):
@@ -594,3 +628,34 @@ def test_ema_of_a_compiled_module_stepped_compiled():
         assert_same(snapshot(ref, ref_avg), snapshot(m, avg))
     finally:
         torch._dynamo.reset()
+
+
+def test_a_dcp_checkpoint_keeps_t_through_the_attachment_and_says_when_the_copy_alone_loses_it(tmp_path):
+    """``torch.distributed.checkpoint`` rebuilds state dicts as plain dicts, dropping the metadata where the
+    copy keeps t, and loads a ``Stateful`` into the state_dict it made itself. Saved and loaded with the
+    attachment (t a plain entry of its state) beside the copy, t and the average come back bitwise, in
+    either order of the keys (before, the copy loaded after the attachment took back the t its own
+    state_dict held before the load: 0). The copy alone: the average loads, t stays, and that is warned."""
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    import warnings
+
+    def setup():
+        pu.testing.reset()
+        net = _bn_net()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        return net, opt, pu.ema(net, 0.99, warmup=10), pu.attach(net, opt)
+
+    net, opt, avg, att = setup()
+    _steps(net, opt, _data(3))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # (one process)
+        dcp.save({"pu": att, "swa": avg}, checkpoint_id=tmp_path / "ckpt")
+        _net2, _opt2, avg2, att2 = setup()
+        dcp.load({"pu": att2, "swa": avg2}, checkpoint_id=tmp_path / "ckpt")  # "pu" loads first, then "swa"
+        assert rule_of(avg2).updates == 3
+        assert_same(snapshot(avg), snapshot(avg2))
+        _net3, _opt3, avg3, _att3 = setup()
+        with pytest.warns(pu.AccountingWarning, match=r"loaded at tests/test_ema.py:\d+ .* t stays 0"):
+            dcp.load({"swa": avg3}, checkpoint_id=tmp_path / "ckpt")
+    assert rule_of(avg3).updates == 0
+    assert_same(snapshot(avg), snapshot(avg3))  # (the average itself is there)

@@ -171,3 +171,42 @@ def test_the_check_reads_an_expanded_gradient_and_writes_nothing(on_nonfinite):
     assert s.steps == 1 and not s.skipped
     assert_same(snapshot(ref), snapshot(m))
     assert m.weight.grad.stride() == (0, 0)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["device", "host"])
+@pytest.mark.parametrize("how", ["step", "attach"])
+def test_applied_and_skipped_count_are_tensors_read_without_a_wait(how, fused):
+    """``applied`` (whether the last step was applied) is a 0-dim bool tensor and ``skipped_count`` a 0-dim
+    int64 tensor: with a fused optimizer the verdict taken on the device, read with no host sync; otherwise
+    tensors of what the host decided. They agree with ``steps`` / ``skipped_steps`` (ints: reading those
+    after device verdicts waits, once) and ``skipped``. Before any step nothing was applied."""
+    from test_no_sync import Syncs
+
+    torch.manual_seed(0)
+    m = BNNet()
+    opt = torch.optim.Adam(m.parameters(), lr=0.1, fused=fused)
+    stepper = pu.Stepper(m, opt, on_nonfinite="skip")
+    owner = pu.attach(m, opt, on_nonfinite="skip") if how == "attach" else stepper
+    assert not bool(owner.applied) and int(owner.skipped_count) == 0 and not owner.skipped
+    seen = []
+    for bad in (False, True, True, False):
+        opt.zero_grad()
+        if how == "attach":
+            m(torch.randn(8, 4)).square().sum().backward()
+            if bad:
+                m.lin.weight.grad[0, 0] = float("inf")
+            opt.step()
+        else:
+            with stepper:
+                m(torch.randn(8, 4)).square().sum().backward()
+                if bad:
+                    m.lin.weight.grad[0, 0] = float("inf")
+        with Syncs() as counter:
+            applied, skipped = owner.applied, owner.skipped_count
+        assert counter.calls == []
+        assert applied.shape == () and applied.dtype == torch.bool
+        assert skipped.shape == () and skipped.dtype == torch.int64
+        seen.append((bool(applied), int(skipped), owner.skipped))
+    assert seen == [(True, 0, False), (False, 1, True), (False, 2, True), (True, 2, False)]
+    assert (owner.steps, owner.skipped_steps) == (2, 2)
+    assert owner.state_dict()["steps"] == 2 and owner.state_dict()["skipped_steps"] == 2

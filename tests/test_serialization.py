@@ -90,16 +90,22 @@ def test_stepper_state_with_an_ema_round_trips_with_weights_only():
     assert pu.rules.ema.rule_of(averaged).updates == 1 and fresh.steps == 1
 
 
-@pytest.mark.parametrize("use", ["step", "attach"])
-def test_state_dict_and_deepcopy_inside_a_step_hold_committed_values(use):
-    import copy
-
+def _stepped_once(use):
+    """A ``Mixed`` model stepped once by ``pu.step`` or under ``pu.attach`` (``use``): ``(model, optimizer,
+    attachment or None, its committed state)``; the next step's updates are pending in the caller's block."""
     m = Mixed()
     opt = torch.optim.SGD(m.net.parameters(), lr=0.1)
     att = pu.attach(m, opt) if use == "attach" else None
     with pu.step(m, opt) if use == "step" else contextlib.nullcontext():
         m(torch.randn(8, 4)).square().sum().backward()
-    committed = _committed(m)
+    return m, opt, att, _committed(m)
+
+
+@pytest.mark.parametrize("use", ["step", "attach"])
+def test_state_dict_and_deepcopy_inside_a_step_hold_committed_values(use):
+    import copy
+
+    m, opt, att, committed = _stepped_once(use)
     stored = {k: v for k, v in m.state_dict(keep_vars=True).items()}
     with pu.step(m, opt) if use == "step" else contextlib.nullcontext():
         m(torch.randn(8, 4)).square().sum().backward()
@@ -206,12 +212,7 @@ def test_pickling_a_model_inside_a_step_holds_stored_values_and_copy_copy_shares
     import copy
     import pickle
 
-    m = Mixed()
-    opt = torch.optim.SGD(m.net.parameters(), lr=0.1)
-    att = pu.attach(m, opt) if use == "attach" else None
-    with pu.step(m, opt) if use == "step" else contextlib.nullcontext():
-        m(torch.randn(8, 4)).square().sum().backward()
-    committed = _committed(m)
+    m, opt, att, committed = _stepped_once(use)
     with pu.step(m, opt) if use == "step" else contextlib.nullcontext():
         m(torch.randn(8, 4)).square().sum().backward()
         back = pickle.loads(pickle.dumps(m))

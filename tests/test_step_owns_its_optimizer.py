@@ -264,3 +264,53 @@ def test_gradscaler_under_attach_without_scaler_carries_the_skipped_steps_update
             assert att.pending_schedule().targets()  # the skipped batch's statistics, still pending
     assert_same(ref[-1], snapshot(m))  # after the next step: both batches' statistics, as plain PyTorch
     assert att.steps == 3 and att.skipped_steps == 0
+
+
+class _Seen(torch.nn.Module):
+    """A linear layer and a buffer that a bad batch's update makes NaN (a pending value, not a gradient)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 2)
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x, bad=False):
+        pu.assign_add(self.seen, float("nan") if bad else 1.0)
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["sgd", "fused-sgd"])
+@pytest.mark.parametrize("on_nonfinite", ["skip", "raise"])
+def test_a_step_dropped_for_a_nonfinite_value_under_pu_step_scaler_ends_the_scalers_iteration(on_nonfinite, fused):
+    """``pu.step(scaler=)`` unscales the gradients before it checks the pending values: a step then dropped
+    for a NaN pending value (skipped, or raised and caught) still ends the scaler's iteration
+    (``scaler.update()``), so the next step unscales its own gradients. The parameters end bitwise where
+    the plain GradScaler loop over the good batches ends. Before, the scaler kept the dropped step's
+    gradients as unscaled, and the next step stepped with gradients 1024 times too large."""
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(8, 4, generator=g) for _ in range(4)]
+    torch.manual_seed(0)
+    m = _Seen()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, fused=fused)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    stepper = pu.Stepper(m, opt, scaler=scaler, on_nonfinite=on_nonfinite)
+    for i, x in enumerate(xs):
+        opt.zero_grad()
+        try:
+            with stepper:
+                scaler.scale(m(x, bad=i == 1).square().mean()).backward()
+        except pu.UpdateError:
+            assert on_nonfinite == "raise" and i == 1
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(4, 2)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, fused=fused)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    for i, x in enumerate(xs):
+        if i != 1:
+            ref_opt.zero_grad()
+            ref_scaler.scale(ref(x).square().mean()).backward()
+            ref_scaler.step(ref_opt)
+            ref_scaler.update()
+    assert_same(snapshot(ref), snapshot(m.lin))
+    assert scaler.get_scale() == ref_scaler.get_scale()
+    assert int(m.seen) == 3 and stepper.steps == 3

@@ -50,7 +50,9 @@ class Attachment(Owner):
     :meth:`discard` to drop them. Updates still pending when the process exits are never
     committed: warned (:class:`~paramupdates.AccountingWarning`). (An attachment with pending updates
     holds its optimizer: it goes only with its model, which takes the updates along.)
-    :meth:`detach` removes the hooks (and drops pending updates).
+    :meth:`detach` removes the hooks (and drops pending updates). ``applied`` and ``skipped_count`` tell,
+    as tensors read without a wait, whether the last step was applied and how many were skipped
+    (``steps`` / ``skipped_steps``: the same as Python ints).
     :meth:`Attachment.of` finds the attachment of a model again (a lost handle, a re-run cell).
 
     Updates issued inside ``optimizer.step()`` (an LBFGS closure's forward) join the step being
@@ -434,8 +436,8 @@ class Attachment(Owner):
     def _take_over(self, earlier: Attachment, journal: Journal | None) -> None:
         """Continue where ``earlier`` (of the same model and optimizer, detached) stopped: its pending
         updates (``journal``, committed by this attachment's next optimizer step) and its counters."""
-        self.steps, self.skipped_steps, self._closed = earlier.steps, earlier.skipped_steps, earlier._closed
-        self._last, self._last_skipped = earlier._last, earlier._last_skipped
+        for name in ("_n_applied", "_n_skipped", "_n_on_device", "_skipped_on_device", "_last_ok", "_closed", "_last"):
+            setattr(self, name, getattr(earlier, name))
         if journal is not None:
             journal.label = self.label
             self.journal = journal

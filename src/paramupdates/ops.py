@@ -21,6 +21,7 @@ gradient to the value it replaced (:func:`overwritten`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -211,3 +212,22 @@ def check_operand(op: str, target: torch.Tensor, operand: Any, key: Any, name: s
         raise UpdateError(
             f"{_at(op, name, origin)}: value of type {type(operand).__name__} is not a tensor or a Python number."
         )
+
+
+# --- a write under the step's device-side verdict (on_nonfinite="skip" decided on the device, rule 7) --------
+def flag_on(ok: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``ok`` (a 0-dim bool) on ``device``: moved without a wait onto an accelerator; onto the CPU (a CPU
+    copy of an accelerator's model, which its commit copies with a wait anyway) with one."""
+    if ok.device == device:
+        return ok
+    return ok.to(device, non_blocking=device.type != "cpu")
+
+
+def select_(ok: torch.Tensor, dst: list[torch.Tensor], new: Sequence[torch.Tensor]) -> None:
+    """``dst[i] <- where(ok, new[i], dst[i])`` in place, for every ``i``: ``new[i]`` (cast to ``dst[i]``'s
+    dtype, as ``copy_`` casts) where ``ok``, else ``dst[i]`` bitwise as it was. ``ok`` is never read on
+    the host. (A select, not arithmetic: ``lerp(a, b, 0)`` or ``a * 1 + b * 0`` turn ``-0.0`` into ``+0.0``.)"""
+    for d, n in zip(dst, new):
+        if n.dtype != d.dtype:
+            n = n.to(d.dtype)
+        torch.where(flag_on(ok, d.device), n, d, out=d)

@@ -34,8 +34,13 @@ class StepOptions:
             naming the target or the parameter, nothing written) or ``"skip"`` (drop the whole
             step, the optimizer's update included, and count it in ``skipped_steps``) when a
             pending value, or a gradient the optimizer would use, is NaN or infinite: one batched
-            check of both, one host sync per step. With a ``scaler=`` the scaler's own
-            ``found_inf`` decides for the gradients (no second check of them).
+            check of both. ``"skip"`` is decided on the device, with no host sync, where the
+            optimizer takes the verdict in its kernel (``found_inf``: torch's ``fused=True``
+            optimizers) and every declared rule can apply under it (``Rule.gates``); elsewhere,
+            and for ``"raise"``, one host sync per step (docs/design.md, rule 7, says which and
+            why). ``applied`` / ``skipped_count`` of the stepper or attachment tell, as tensors,
+            whether the last step was applied and how many were skipped. With a ``scaler=`` the
+            scaler's own ``found_inf`` decides for the gradients (no second check of them).
         copy_for_rollback: before the commit writes while a fallible stage (the optimizer's step,
             a rule that runs user code) is still to come, copy what it writes and the optimizer's
             state, so that an exception there restores every parameter, buffer and optimizer state
@@ -54,8 +59,9 @@ class StepOptions:
             ``optimizer.step()``) is dropped whole, whatever ``on_nonfinite`` says: none of its
             pending updates (batch-norm statistics) or rules is applied, it is counted in
             ``skipped_steps``, and the next step trains as usual. Under ``pu.step`` / ``Stepper``
-            the commit's gradient update is ``scaler.step(optimizer)`` then ``scaler.update()`` (do
-            not call them in the block). Under ``pu.attach`` the loop keeps calling
+            the commit's gradient update is what ``scaler.step(optimizer)`` then ``scaler.update()``
+            do (do not call them in the block), with no host sync beyond theirs: none for a fused
+            optimizer (the verdict is taken on the device), one read of ``found_inf`` otherwise. Under ``pu.attach`` the loop keeps calling
             ``scaler.step(optimizer)`` and ``scaler.update()``: the attachment wraps ``scaler.step``
             on that scaler instance to see the steps it skips (``detach()`` unwraps it). Without
             ``scaler=``, an attachment's pending updates carry over a step the scaler skips into

@@ -54,15 +54,20 @@ class Owner:
         self._strong = None if weak else (model, optimizer)
         self.options = options
         self.index = index_of(model)
-        self.steps = 0
-        self.skipped_steps = 0
+        # Steps applied and skipped as decided on the host, and the steps whose verdict was taken on the
+        # device (on_nonfinite="skip" with no host sync): how many, and how many of those were skipped (a
+        # 0-dim int64 tensor on the device, never read here). ``steps`` / ``skipped_steps`` read them.
+        self._n_applied = 0
+        self._n_skipped = 0
+        self._n_on_device = 0
+        self._skipped_on_device: torch.Tensor | None = None
+        self._last_ok: torch.Tensor | bool | None = None  # the last commit's verdict (None: no commit yet)
         # Steps closed so far (committed, skipped, discarded or rolled back); a
         # commit's sync sends it so that ranks check they commit the same step
         # (distributed sync, rule 9). Read and written only outside the forward (commit, discard):
         # a value read in a compiled forward would be guarded on, and recompile.
         self._closed = 0
         self._last = Schedule()
-        self._last_skipped = False
         self._reuse_entries = commit_caches(self.index, optimizer)[2]
 
     @property
@@ -95,22 +100,93 @@ class Owner:
         return self._reuse_entries
 
     def _committed(self, c: Commit) -> None:
-        """Count a finished commit and keep its plan."""
-        if c.skipped:
-            self.skipped_steps += 1
+        """Count a finished commit and keep its plan (a verdict taken on the device is counted there)."""
+        ok = c.ok
+        if ok is not None:
+            self._n_on_device += 1
+            skipped = self._skipped_on_device
+            if skipped is None or skipped.device != ok.device:
+                base = 0 if skipped is None else skipped.to(ok.device)  # (a model moved between steps)
+                self._skipped_on_device = (~ok).to(torch.int64) + base
+            else:
+                skipped.add_(~ok)
+            self._last_ok = ok
+        elif c.skipped:
+            self._n_skipped += 1
+            self._last_ok = False
         else:
-            self.steps += 1
-        self._last_skipped = c.skipped
+            self._n_applied += 1
+            self._last_ok = True
         self._last = c.schedule()
         c.release()
+
+    def _fold(self) -> None:
+        """Bring the device's count into the host's: one read of it (a host sync, made by whoever reads
+        ``steps`` or ``skipped_steps``), only after steps decided on the device."""
+        if self._n_on_device:
+            n = int(self._skipped_on_device)  # type: ignore[arg-type]
+            self._n_applied += self._n_on_device - n
+            self._n_skipped += n
+            self._n_on_device = 0
+            self._skipped_on_device = None
+
+    @property
+    def steps(self) -> int:
+        """The number of steps applied. After steps whose verdict was taken on the device
+        (``on_nonfinite="skip"`` with a fused optimizer), reading it waits for the device once (the
+        reader's sync, not the library's); :attr:`applied` and :attr:`skipped_count` do not wait."""
+        self._fold()
+        return self._n_applied
+
+    @steps.setter
+    def steps(self, value: int) -> None:
+        self._fold()
+        self._n_applied = int(value)
+
+    @property
+    def skipped_steps(self) -> int:
+        """The number of steps skipped (``on_nonfinite="skip"``, a scaler's overflow); as :attr:`steps`,
+        a read after steps decided on the device waits for it."""
+        self._fold()
+        return self._n_skipped
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._fold()
+        self._n_skipped = int(value)
+
+    @property
+    def applied(self) -> torch.Tensor:
+        """Whether the last step was applied, as a 0-dim bool tensor; never read on the host here.
+
+        Where the verdict was taken on the device (``on_nonfinite="skip"`` with an optimizer that takes
+        ``found_inf``, see docs/design.md rule 7) it is that verdict, on the device, available as soon as
+        the commit has been launched; ``bool(applied)`` waits for the device (the reader's sync, not
+        the library's). Elsewhere the host knew: a CPU tensor. ``False`` before the first step."""
+        ok = self._last_ok
+        if isinstance(ok, torch.Tensor):
+            return ok
+        return torch.tensor(bool(ok))
+
+    @property
+    def skipped_count(self) -> torch.Tensor:
+        """The number of skipped steps as a 0-dim int64 tensor, on the device where verdicts were taken
+        there (no host sync to make or read it; ``int()`` of it is the reader's): ``skipped_steps``
+        without the wait."""
+        dev = self._skipped_on_device
+        if dev is None:
+            return torch.tensor(self._n_skipped)
+        return dev + self._n_skipped
 
     def _open_journal(self) -> Journal | None:
         raise NotImplementedError
 
     @property
     def skipped(self) -> bool:
-        """Whether the last step was dropped for a non-finite value."""
-        return self._last_skipped
+        """Whether the last step was dropped (a non-finite value, a scaler's overflow): ``not applied``, read
+        on the host (a wait for the device where the verdict was taken there). False before any step."""
+        ok = self._last_ok
+        return ok is not None and not bool(ok)
 
     def schedule(self) -> Schedule:
         """The plan of the last committed step (phase, target, op, condition, origin)."""

@@ -65,6 +65,10 @@ class Stepper(Owner):
 
     Each option in full: :class:`~paramupdates.options.StepOptions`.
 
+    After each step, ``applied`` (a 0-dim bool tensor: whether it was applied, on the device where
+    ``on_nonfinite="skip"`` decided there) and ``skipped_count`` (a 0-dim int64 tensor) tell what
+    happened without a wait; ``steps`` and ``skipped_steps`` are the same as Python ints.
+
     While a step records, ``optimizer.step()`` belongs to its commit: a call made in the block
     (or by ``GradScaler.step``) raises :class:`UpdateError` before the optimizer writes. Steps are
     per thread: a thread's step is not seen by updates issued in other threads.

@@ -4,7 +4,7 @@ Every way of ending a step commits through :class:`Commit` (``pu.step``,
 ``Stepper``, ``pu.attach`` and ``Attachment.flush``)::
 
     c = Commit(journal, optimizer, options, caches, seq)
-    c.begin()              # validate: hide the overlay, sync, finiteness; False: skip the step
+    c.begin()              # validate: hide the overlay, sync, finiteness; False: skip the step (host verdict)
     c.before_optimizer()   # the rules' checks (before any write), then phase before_grad
     c.run_optimizer()      # phase grad: optimizer.step()   (or c.optimizer_stepped() under attach)
     c.finish()             # after_grad, auxiliary, after_step
@@ -16,6 +16,13 @@ optimizer has called the closure, so :meth:`Commit.wrap_closure` runs ``begin``
 and ``before_optimizer`` right after the closure's first call returns, before
 the optimizer uses the gradients: ``before_grad`` rules (weight decay, and
 which parameters it decays) see this step's gradients, as ``AdamW`` does.
+
+The verdict of ``on_nonfinite="skip"`` (and of a ``scaler=``) is taken on the device where every writer
+can take it (:meth:`Commit._decides_on_device`): ``begin`` then returns True with ``Commit.ok``, a 0-dim
+bool tensor never read on the host, under which every phase applies (the rules through
+``CommitContext.ok``, the pending values selected by ``ops.select_``, the optimizer through
+``found_inf``, its kernel's skip). A skipped step so decided leaves everything bitwise as before it,
+as the host's skip does.
 
 Validation before the first write: shape, dtype kind and device are checked
 when an update is issued; at :meth:`Commit.begin` synced values are reduced
@@ -48,12 +55,12 @@ from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from .. import accounting, hooks, overlay, routing, sharding
 from ..errors import UpdateError, listed
-from ..ops import apply_op
+from ..ops import apply_op, select_
 from ..phases import AFTER_OPTIMIZER, AFTER_STEP, AUXILIARY, BEFORE_GRAD, GRAD, PHASES
 from ..records import Entry, Issued
 from ..rules.base import CommitContext, Rule, RuleSet, rules_for
 from ..schedule import Schedule, ScheduleEntry
-from .finite import finite_flag, nonfinite, optimizer_grads, pending_values
+from .finite import device_flag, finite_flag, nonfinite, on_one_device, optimizer_grads, pending_values
 from .rollback import Rollback, SnapshotPool
 
 if TYPE_CHECKING:
@@ -91,7 +98,14 @@ class Commit:
         # the commit calls scaler.step and scaler.update itself, as pu.step's does).
         self.scaler: Any = options.scaler
         self.scaler_opt: Any = None
-        self.skipped = False
+        self.skipped = False  # the step was dropped, as decided on the host
+        # The step's verdict where it is taken on the device (``on_nonfinite="skip"``, a scaler's overflow,
+        # when every writer can take it: :meth:`_decides_on_device`): a 0-dim bool tensor, never read here,
+        # under which every phase applies (False: everything stays bitwise as it was). None: decided on
+        # the host, or nothing to decide.
+        self.ok: torch.Tensor | None = None
+        self._closure = False  # optimizer.step(closure): the checks run inside the closure (host verdict)
+        self._lent_flag: tuple[Any, Any] | None = None  # (optimizer, its found_inf before ours) while lent
         self.state = "new"  # new -> begun -> checked -> stepped -> done | aborted
         # The entries whose targets were written earlier in this commit (by a phase or a rule: what
         # the optimizer writes is trainable, see run_phase). Rules' tensors are added only when a
@@ -142,12 +156,14 @@ class Commit:
         self.state = "begun"
         self._refuse_unwritable()
         self._take_rules()
+        if self._decides_on_device():
+            self._gate()
+            return True
         if self._scaler_overflowed():
             # a scaled gradient overflowed: the scaler's business (torch.amp.GradScaler semantics)
             self.skipped = True
             self._end("done")
-            if self.scaler_opt is None:
-                self._scaler_skip()
+            self._scaler_done()
             return False
         params, grads = self._grads_to_check()
         sharded = j.any_sharded or (bool(grads) and sharding.any_sharded(grads))
@@ -199,6 +215,62 @@ class Commit:
             1 for r in rules if not r.infallible
         )
 
+    def _decides_on_device(self) -> bool:
+        """Whether this step's verdict (``on_nonfinite="skip"``; with a scaler, its overflow) is taken on
+        the device, with no host sync: every writer of the step can apply under a device flag. The
+        optimizer takes it in its kernel (:func:`takes_found_inf`), the declared rules honour it
+        (:attr:`Rule.gates`), the pending values are selected (``where``). Else the host decides, with one
+        sync: ``"raise"`` (the host must raise), a closure (the checks run inside ``optimizer.step``),
+        ``sync=`` updates and sharded models (the ranks agree through the host), an optimizer without
+        ``found_inf`` in its kernel, a rule that does not gate (an EMA warmup, a user rule)."""
+        opts = self.options
+        if opts.on_nonfinite == "raise" or (opts.on_nonfinite is None and self._scaler() is None):
+            return False
+        j = self.journal
+        if self._closure or j.synced or j.any_sharded:
+            return False
+        if self.optimizer is not None and not takes_found_inf(self.optimizer):
+            return False
+        if not all(r.gates for r in self.rules):
+            return False
+        support = hooks.sharding_support()
+        return support is None or not support.model_sharded(j.index)
+
+    def _gate(self) -> None:
+        """Take the step's verdict on the device: ``ok`` = nothing the scaler (or a ``found_inf`` already
+        on the optimizer) found, and (``on_nonfinite="skip"``) every pending value and gradient finite, in
+        one fused check (``finite.device_flag``). Nothing is read on the host; every phase applies
+        under ``ok``, and the optimizer takes ``~ok`` as its ``found_inf`` (:meth:`optimizer_starting`)."""
+        ok = None
+        if self.options.checks_finite:
+            _params, grads = self._grads_to_check()
+            ok = device_flag(pending_values(self.journal), False, self._rows_grouped(), grads)
+        found = self._found_inf()
+        if found is not None:
+            clean = found == 0
+            ok = clean if ok is None else torch.logical_and(*on_one_device([ok, clean]))
+        self.ok = ok
+        if self._ctx is not None:
+            self._ctx.ok = ok
+
+    def _found_inf(self) -> torch.Tensor | None:
+        """The scaler's verdict on the gradients, on the device (no host read): under ``pu.step`` the
+        commit unscales (``scaler.unscale_``, as before) and sums its ``found_inf``; inside
+        ``scaler.step`` (``pu.attach``) the scaler has set ``found_inf`` on the optimizer, as a
+        ``found_inf`` already there is taken whoever set it (the kernel would take it too)."""
+        scaler = self._scaler()
+        if scaler is not None and self.scaler_opt is None:
+            opt = self.optimizer
+            state = scaler._per_optimizer_states[id(opt)]
+            if state["stage"] is OptState.READY:
+                scaler.unscale_(opt)
+            found = list(state["found_inf_per_device"].values())
+            if not found:  # (no gradients: nothing found; scaler.update() says so, as after scaler.step)
+                return None
+            return found[0] if len(found) == 1 else torch.stack(on_one_device(found)).sum()
+        holder = self.scaler_opt if self.scaler_opt is not None else self.optimizer
+        return None if holder is None else vars(holder).get("found_inf")
+
     def _grads_to_check(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The parameters and gradients the optimizer will use, when finiteness is checked: they are
         checked with the pending values (validated commit, rule 7), as ``torch.amp.GradScaler`` does."""
@@ -245,13 +317,17 @@ class Commit:
         """The finiteness check (one batched reduction, one host sync): True to go on; False to skip
         the step; or an :class:`UpdateError` naming the non-finite targets or gradients."""
         j, opts = self.journal, self.options
+        if opts.on_nonfinite == "skip":  # the verdict only: one read, no names
+            ok = finite_flag(pending_values(j), sharded, self._rows_grouped(), grads)
+            if (ok is None or ok) and not remote_bad:
+                return True
+            self.skipped = True
+            self._end("done")
+            self._scaler_done()
+            return False
         bad, bad_grads = nonfinite(j, self._rows_grouped(), grads, sharded)
         if not (bad or bad_grads or remote_bad):
             return True
-        if opts.on_nonfinite == "skip":
-            self.skipped = True
-            self._end("done")
-            return False
         self._end("aborted")
         if not bad and not bad_grads:
             raise UpdateError(
@@ -301,12 +377,19 @@ class Commit:
             scaler.unscale_(opt)
         return bool(sum(v.item() for v in state["found_inf_per_device"].values()))
 
-    def _scaler_skip(self) -> None:
-        """A skipped step under a scaler: ``scaler.step`` finds the overflow and leaves the optimizer
-        alone, ``scaler.update`` lowers the scale (as in a plain GradScaler loop)."""
+    def _scaler_done(self) -> None:
+        """Under ``pu.step(scaler=)`` the commit drives the scaler: a step that ends without the optimizer's
+        update (skipped, or an exception after the commit unscaled) still ends the scaler's iteration with
+        ``scaler.update()``, as ``scaler.step`` then ``scaler.update`` do in a plain GradScaler loop (the
+        scale backs off after an overflow; ``scaler.step`` is not called: it would read ``found_inf`` on
+        the host a second time). Otherwise the scaler would keep this step's gradients as unscaled, and
+        the next step would take its scaled gradients for unscaled ones."""
         scaler = self._scaler()
-        scaler.step(self.optimizer)
-        scaler.update()
+        if scaler is None or self.scaler_opt is not None:
+            return
+        state = scaler._per_optimizer_states.get(id(self.optimizer))
+        if state is not None and state["stage"] is not OptState.READY:
+            scaler.update()
 
     def _param_name(self, p: torch.Tensor) -> str:
         """``p``'s qualified name in the model, or where the optimizer holds it."""
@@ -359,6 +442,7 @@ class Commit:
         """What the rules of this commit see (made once)."""
         if self._ctx is None:
             self._ctx = CommitContext(self.optimizer, self.journal.index, self.journal, self.rules)
+            self._ctx.ok = self.ok
         return self._ctx
 
     def wrap_closure(self, closure: Callable[[], Any]) -> Callable[[], Any]:
@@ -368,6 +452,7 @@ class Commit:
         def closure_then_commit() -> Any:
             loss = closure()
             if self.state == "new":
+                self._closure = True
                 if self.begin():
                     with torch.no_grad():
                         self.before_optimizer()
@@ -388,7 +473,10 @@ class Commit:
             scaler = self._scaler()
             with routing.committing(self):  # an attachment on this optimizer stands aside
                 if scaler is not None:  # (no closure: refused with a scaler)
-                    out = scaler.step(opt)
+                    # the scaler's verdict is taken (begin): on the host (no overflow: a step with one was
+                    # dropped), or on the device (lent to the kernel as found_inf). What scaler.step would
+                    # add is a second read of found_inf on the host: the optimizer steps, the scale updates.
+                    out = opt.step()
                     scaler.update()
                 else:
                     out = opt.step() if closure is None else opt.step(closure)
@@ -407,8 +495,14 @@ class Commit:
         return out
 
     def optimizer_starting(self) -> None:
-        """The optimizer's step is about to run (what it writes stays if it raises, unless copied)."""
-        self._applied.append(f"{type(self.optimizer).__name__}.step (started)")
+        """The optimizer's step is about to run (what it writes stays if it raises, unless copied). Under
+        a device verdict, the optimizer takes it as ``found_inf`` (GradScaler's attribute; 1.0: its
+        kernel writes nothing), lent for this step: :meth:`_optimizer_done` puts back what was there."""
+        opt = self.optimizer
+        self._applied.append(f"{type(opt).__name__}.step (started)")
+        if self.ok is not None and opt is not None and self._lent_flag is None:
+            self._lent_flag = (opt, vars(opt).get("found_inf", _MISSING))
+            opt.found_inf = (~self.ok).to(torch.float32)  # type: ignore[attr-defined]  # (GradScaler's attribute)
 
     def optimizer_stepped(self) -> None:
         """The optimizer's step is behind us (called by :meth:`run_optimizer`, or under attach by the
@@ -420,9 +514,17 @@ class Commit:
         self.state = "stepped"
 
     def _optimizer_done(self) -> None:
-        """What the rules lent the optimizer for its step goes back (after it, or after a failure)."""
+        """What the rules and the verdict lent the optimizer for its step goes back (after it, or after a
+        failure)."""
         for rule in self.rules:
             rule.optimizer_done()
+        lent, self._lent_flag = self._lent_flag, None
+        if lent is not None:
+            opt, before = lent
+            if before is _MISSING:
+                vars(opt).pop("found_inf", None)
+            else:
+                opt.found_inf = before
 
     def finish(self) -> None:
         """Phases ``after_grad``, ``auxiliary`` and ``after_step``; the commit is done."""
@@ -437,6 +539,7 @@ class Commit:
         self.journal.hide()
         self.restore_grads()
         self._optimizer_done()
+        self._scaler_done()
         if self.state in ("begun", "checked", "stepped"):
             if self.rollback.enabled:
                 self.rollback.restore()  # the copies, the optimizer's state, the rules' state
@@ -585,15 +688,21 @@ class Commit:
                 slow.append(e)
         if rb.enabled:
             rb.protect(fast_dst + [_raw(e) for e in slow] + (j.row_dst if rows else []))
+        ok = self.ok
         with no_grad():
             if rows:
-                if self._row_groups is None:
+                if ok is not None:  # under the device verdict: selected, not copied
+                    select_(ok, j.row_dst, j.row_src)
+                elif self._row_groups is None:
                     copy_pairs(j.row_dst, j.row_src)
                 else:  # (grouped already, for the finiteness check)
                     for _k, ([dst, src], _) in self._row_groups.items():
                         torch._foreach_copy_(dst, src)
             if fast_dst:
-                copy_pairs(fast_dst, fast_src)
+                if ok is None:
+                    copy_pairs(fast_dst, fast_src)
+                else:
+                    select_(ok, fast_dst, fast_src)
             for e in slow:
                 raw = _raw(e)
                 val: torch.Tensor = e.target.detach() if e.sharded else raw  # a DTensor folds as one
@@ -601,7 +710,10 @@ class Commit:
                     if r.phase == phase:
                         # the operands as issued (ops.as_issued); val is never written: no copy of them
                         val = apply_op(r.op, val, r.operand, r.key, r.cond, True)
-                raw.copy_(sharding.local(val) if e.sharded else val)  # shard onto shard (placed alike)
+                if ok is not None:
+                    select_(ok, [raw], [val])
+                else:
+                    raw.copy_(sharding.local(val) if e.sharded else val)  # shard onto shard (placed alike)
         dirty.update(map(id, in_phase))  # (ids of entries, not targets: see _flush_dirty)
         j.done_phases.add(phase)
         self._applied.append(f"the {phase} updates")
@@ -669,3 +781,20 @@ def _raw(e: Entry) -> torch.Tensor:
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_MISSING = object()
+
+
+def takes_found_inf(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt.step()`` takes a step's verdict in its kernel, as ``torch.amp.GradScaler`` hands it
+    over: ``optimizer.found_inf`` (nonzero: the kernel writes nothing), for the optimizers that set
+    ``_step_supports_amp_scaling`` (torch's ``fused=True`` Adam, AdamW, SGD, Adagrad). Not torch's fused
+    SGD with momentum before its first step: on a skipped first step its kernel leaves the momentum
+    buffers it makes uninitialised (``torch.empty_like``), so that step is decided on the host."""
+    if not getattr(opt, "_step_supports_amp_scaling", False):
+        return False
+    if isinstance(opt, torch.optim.SGD):
+        state = opt.state
+        for g in opt.param_groups:
+            if g.get("momentum", 0) and not any("momentum_buffer" in state.get(p, ()) for p in g["params"]):
+                return False
+    return True

@@ -1,11 +1,13 @@
 """Finiteness, opt-in (validated commit, rule 7): one batched check of the pending values and of the
-gradients the optimizer will use, and one host sync for all.
+gradients the optimizer will use, as one 0-dim bool on the device.
 
 Called only when a step asks for it (``on_nonfinite="skip"`` / ``"raise"``, as
 ``optax.apply_if_finite`` and ``torch.amp.GradScaler`` check): by default the commit never waits on
 the device. Values are grouped by device and dtype in C (``_group_tensors_by_device_and_dtype``);
-each floating group is reduced in a few kernels; the flags of all groups meet in one 0-dim bool.
-Nothing here writes a tensor: gradients are read, never unscaled or rewritten.
+each floating group is reduced in a few kernels; the flags of all groups meet in one 0-dim bool
+(:func:`device_flag`). The commit either applies the step under that flag, on the device
+(``on_nonfinite="skip"`` where every writer can take it), or reads it once (:func:`finite_flag`: the
+one host sync). Nothing here writes a tensor: gradients are read, never unscaled or rewritten.
 """
 
 from __future__ import annotations
@@ -30,15 +32,23 @@ def pending_values(j: Any, unsynced: bool = False) -> list[torch.Tensor]:
 def finite_flag(
     values: list[torch.Tensor], sharded: bool = False, grouped: dict | None = None, grads: list[torch.Tensor] = ()
 ) -> bool | None:
-    """Whether all of ``values``, the ``src`` values of ``grouped`` (the rows' commit groups, already
-    grouped by ``_group_tensors_by_device_and_dtype([dst, src])``) and ``grads`` are finite (None if
-    none is floating); ``sharded``: some may be DTensors (their local shards are checked).
+    """Whether all of ``values``, the ``src`` values of ``grouped`` and ``grads`` are finite (None if none
+    is floating): :func:`device_flag`, read once on the host (the one host sync of the check)."""
+    ok = device_flag(values, sharded, grouped, grads)
+    return None if ok is None else bool(ok)
 
-    The values are grouped by device and dtype in C; each floating group gets one quick check in a
-    few kernels (:func:`group_finite`), and one host sync decides for all. A quick check that fails
-    is confirmed tensor by tensor (it may fail on a finite group whose norm overflows), so the answer
-    is exact: what decides a skipped step is ``isfinite``, as GradScaler's check is.
-    """
+
+def device_flag(
+    values: list[torch.Tensor], sharded: bool = False, grouped: dict | None = None, grads: list[torch.Tensor] = ()
+) -> torch.Tensor | None:
+    """A 0-dim bool on the device, never read here: whether all of ``values``, the ``src`` values of
+    ``grouped`` (the rows' commit groups, already grouped by ``_group_tensors_by_device_and_dtype([dst,
+    src])``) and ``grads`` are finite; None if none is floating. ``sharded``: some may be DTensors (their
+    local shards are checked).
+
+    The values are grouped by device and dtype in C; each floating group is checked in a few kernels
+    (:func:`group_finite`, exact); the flags of all groups meet on one device (an accelerator's, if any:
+    a flag is moved there without a wait) in one ``all``."""
     if not values and not grouped and not grads:
         return None
     groups: list[list[torch.Tensor]] = []
@@ -55,10 +65,15 @@ def finite_flag(
         groups = [g for g in (_nonempty(ts) for ts in groups) if g]
         if not groups:
             return None
-        flags = [group_finite(ts).cpu() for ts in groups]
-        if bool(flags[0] if len(flags) == 1 else torch.stack(flags).all()):  # the one host sync
-            return True
-        return all(bool(t.isfinite().all()) for ts in groups for t in ts)  # (a failure: exact, tensor by tensor)
+        flags = [group_finite(ts) for ts in groups]
+        return flags[0] if len(flags) == 1 else torch.stack(on_one_device(flags)).all()
+
+
+def on_one_device(flags: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``flags`` (0-dim tensors) moved without a wait to one device: an accelerator's where any is on one
+    (a copy onto the CPU that did not wait could be read before it is made), else the CPU."""
+    dev = next((f.device for f in flags if not f.is_cpu), flags[0].device)
+    return [f if f.device == dev else f.to(dev, non_blocking=True) for f in flags]
 
 
 def _nonempty(ts: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -68,25 +83,34 @@ def _nonempty(ts: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 CAT_NUMEL = 1 << 17
-"""Up to this many elements, a group of values is checked as one concatenation (a copy, exact: cheaper
-than a kernel per tensor, measured 3-7x for 100 tensors of 16 to 256 elements on CPU); above, per
-tensor with no copy, by ``torch._foreach_norm(ts, 2)`` (on CPU 7x faster than the concatenation at 3 M
-elements, and the fused multi-tensor kernel on accelerators)."""
+"""Up to this many elements, a group of values is checked as one concatenation (a copy: cheaper than a
+kernel per tensor, measured 3-7x for 100 tensors of 16 to 256 elements on CPU); above, with no copy:
+on CPU one ``torch.aminmax`` per tensor, on accelerators one ``torch._foreach_norm(ts, inf)`` (the
+fused multi-tensor kernel)."""
 
 
 def group_finite(ts: list[torch.Tensor]) -> torch.Tensor:
-    """A 0-dim bool, quick: True means every element of ``ts`` (one device and dtype, none empty) is
-    finite; False that some element is not, or (above :data:`CAT_NUMEL`) that a finite tensor's
-    2-norm overflowed: :func:`finite_flag` confirms a False."""
+    """A 0-dim bool: True exactly when every element of ``ts`` (one device and dtype, none empty) is finite.
+
+    What is reduced is the extremes, never a sum that a finite group could overflow: the minimum and
+    maximum (``torch.aminmax``: a NaN propagates into both, an infinity is one of them), or on an
+    accelerator the largest magnitude (``_foreach_norm(ts, inf)``, which propagates NaN). The extremes of
+    finite values are finite in their own dtype, so a finite group is never taken for a non-finite one."""
+    if ts[0].is_complex():
+        ts = [torch.view_as_real(t) for t in ts]
     if sum(map(torch.Tensor.numel, ts)) <= CAT_NUMEL:
         if all(map((1).__eq__, map(torch.Tensor.dim, ts))):
             # 1-D values (statistics): the fastest concatenation (every one 1-D: checked, not caught,
             # since dynamo cannot catch the error of a traced cat, and gradients of any rank join them)
-            return torch.cat(ts).isfinite().all()
-        chunk_cat = getattr(torch, "_chunk_cat", None)
-        if chunk_cat is not None:
-            return chunk_cat([t if t.dim() else t.reshape(1) for t in ts], 0, 1).isfinite().all()
-    return torch.stack(torch._foreach_norm(ts, 2)).isfinite().all()
+            flat = torch.cat(ts)
+        else:
+            chunk_cat = getattr(torch, "_chunk_cat", None)
+            ts_ = [t if t.dim() else t.reshape(1) for t in ts]
+            flat = chunk_cat(ts_, 0, 1) if chunk_cat is not None else torch.cat([t.reshape(-1) for t in ts_])
+        return torch.stack(torch.aminmax(flat)).isfinite().all()
+    if not ts[0].is_cpu:
+        return torch.stack(torch._foreach_norm(ts, float("inf"))).isfinite().all()
+    return torch.stack([x for t in ts for x in torch.aminmax(t)]).isfinite().all()
 
 
 _grad_of = torch._C.TensorBase.grad.__get__  # the C getters, mapped without a Python-level loop

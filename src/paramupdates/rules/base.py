@@ -45,7 +45,9 @@ _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 class CommitContext:
     """What rules see at commit: the optimizer, the model index, the learning rate of a parameter,
-    and what is written in phase ``before_grad`` after a given rule (:meth:`written_before_grad_after`)."""
+    what is written in phase ``before_grad`` after a given rule (:meth:`written_before_grad_after`), and
+    ``ok``: ``None``, or the step's device-side verdict (a 0-dim bool tensor, never read on the host)
+    under which a rule that :attr:`Rule.gates` applies (``on_nonfinite="skip"`` decided on the device)."""
 
     def __init__(
         self,
@@ -58,6 +60,7 @@ class CommitContext:
         self.index = index
         self.journal = journal
         self.rules = rules  # the commit's rules, in their order
+        self.ok: torch.Tensor | None = None
         self._lr: dict[int, float | None] | None = None
 
     def written_before_grad_after(self, rule: Rule) -> set[int]:
@@ -118,12 +121,20 @@ class Rule:
     ``per_optimizer_update``: the rule belongs to the gradient update and runs
     only in steps that have an optimizer (once per real optimizer update,
     never per micro-batch); ``False`` runs it in every committed step.
+
+    ``gates``: :meth:`apply` honours ``ctx.ok`` (``on_nonfinite="skip"`` decided on the
+    device, rule 7): when ``ctx.ok`` is a tensor, the rule leaves every tensor it writes
+    bitwise as it was where ``ctx.ok`` is False, and its Python state too, without reading
+    the flag on the host (``torch.where``, a factor ``where(ok, f, 1)``). A rule that does
+    not (the default, and every rule with Python state that depends on whether it ran) makes
+    such a step take the synced check instead: one host sync.
     """
 
     phase: str = ""
     kind: str = "rule"
     infallible: bool = False
     per_optimizer_update: bool = False
+    gates: bool = False
     removed: bool = False  # set by remove(): no step applies it, and nothing is raised about it
 
     def __init__(self, origin: Any = None) -> None:

@@ -39,6 +39,11 @@ PyTorch has no foreach norm along a dim, so the norms are computed
   overhead dominates them); large ones (memory bound, where that copy costs
   more than it saves) with one ``vector_norm`` each, the only per-tensor call.
   The row norms are bitwise those of the per-tensor call.
+
+Under a step's device-side verdict ``ok`` (``on_nonfinite="skip"`` decided on the device, rule 7):
+a norm constraint multiplies by ``where(ok, factor, 1)``; a clamp (``clamp``, ``non_neg``) and the
+reference path (a callable) compute ``c(w)`` out of place and write ``where(ok, c(w), w)``. A skipped
+step leaves every tensor bitwise as it was, with no host sync.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from .. import sharding
 from ..errors import UpdateError
+from ..ops import flag_on, select_
 from ..origin import call_site
 from ..phases import AFTER_GRAD
 from .base import register
@@ -109,8 +115,10 @@ class Constraint:
         keeps them while the tensors' storage is unchanged). Default: ``ts`` and the plan, for :meth:`apply_`."""
         return ts, plan
 
-    def run_(self, bound: Any) -> None:
-        """Apply in place with what :meth:`bind_` made (no Python work per tensor in the built-in ones)."""
+    def run_(self, bound: Any, ok: torch.Tensor | None = None) -> None:
+        """Apply in place with what :meth:`bind_` made (no Python work per tensor in the built-in ones);
+        ``ok``: a device verdict (a skip decided on the device) that a subclass applies under. Default:
+        :meth:`apply_` (only called without ``ok``: a rule that cannot apply under one says so, ``gates``)."""
         self.apply_(*bound)
 
     def __repr__(self) -> str:
@@ -228,11 +236,11 @@ class _Norm(Constraint):
             bound_rows.append((vs, shape, counts, batches, tuple(range(1, nd))))
         return [[ts[i] for i in idx] for idx in wholes], bound_rows
 
-    def run_(self, bound: Any) -> None:
+    def run_(self, bound: Any, ok: torch.Tensor | None = None) -> None:
         wholes, rows = bound
         for group in wholes:
             n = torch.stack(torch._foreach_norm(group))
-            torch._foreach_mul_(group, list(self.factor(n).unbind(0)))
+            torch._foreach_mul_(group, list(_gate(self.factor(n), ok).unbind(0)))
         for vs, shape, counts, lengths, dims in rows:
             if isinstance(lengths, torch.Tensor):
                 # accelerators: launch bound; the whole group in a handful of kernels
@@ -252,7 +260,12 @@ class _Norm(Constraint):
                     else:
                         parts.extend(torch.linalg.vector_norm(v, dim=dims) for v in batch)
                 n = (torch.cat(parts) if len(parts) > 1 else parts[0]).view(shape)
-            torch._foreach_mul_(vs, self.factor(n).split_with_sizes(counts))
+            torch._foreach_mul_(vs, _gate(self.factor(n), ok).split_with_sizes(counts))
+
+
+def _gate(factors: torch.Tensor, ok: torch.Tensor | None) -> torch.Tensor:
+    """``where(ok, factors, 1)`` under a device verdict (a skipped step multiplies by 1: bitwise the same)."""
+    return factors if ok is None else torch.where(flag_on(ok, factors.device), factors, 1.0)
 
 
 CAT_NUMEL = 4096
@@ -364,8 +377,16 @@ class _Clamp(Constraint):
             out.append((ts, lo, hi))
         return out
 
-    def run_(self, bound: Any) -> None:
+    def run_(self, bound: Any, ok: torch.Tensor | None = None) -> None:
         for ts, lo, hi in bound:
+            if ok is not None:  # out of place, then where(ok, clamped, w)
+                new = ts
+                if lo is not None:
+                    new = torch._foreach_clamp_min(new, lo)
+                if hi is not None:
+                    new = torch._foreach_clamp_max(new, hi)
+                select_(ok, ts, new)
+                continue
             if lo is not None:
                 torch._foreach_clamp_min_(ts, lo)
             if hi is not None:
@@ -456,9 +477,12 @@ def clamp(min: float | None = None, max: float | None = None) -> Clamp:  # noqa:
     return Clamp(min, max)
 
 
-def _single_tensor_constraint(c: Constraint, ts: list[torch.Tensor], names: list[str], origin: str) -> None:
+def _single_tensor_constraint(
+    c: Constraint, ts: list[torch.Tensor], names: list[str], origin: str, ok: torch.Tensor | None = None
+) -> None:
     """``t <- c(t)`` tensor by tensor (the Keras formula, out of place; a user callable's only path).
-    Every new value is computed and validated first, then written: a failure writes nothing."""
+    Every new value is computed and validated first, then written: a failure writes nothing. Under a
+    device verdict ``ok``: ``t <- where(ok, c(t), t)``."""
     news = []
     with no_subclass():
         for t, name in zip(ts, names):
@@ -485,7 +509,9 @@ def _single_tensor_constraint(c: Constraint, ts: list[torch.Tensor], names: list
         for t, new in zip(ts, news):
             if new is t:
                 continue
-            if sharding.is_sharded(t):  # the value laid out like t, then written shard onto shard
+            if ok is not None:  # (no DTensor here: a sharded model's verdict is taken on the host)
+                select_(ok, [t], [new])
+            elif sharding.is_sharded(t):  # the value laid out like t, then written shard onto shard
                 from ._sharded import like
 
                 sharding.local(t).copy_(sharding.local(like(t, new)))
@@ -493,10 +519,14 @@ def _single_tensor_constraint(c: Constraint, ts: list[torch.Tensor], names: list
                 t.copy_(new)
 
 
-def _multi_tensor_constraint(c: Constraint, ts: list[torch.Tensor], plan: Any) -> None:
+def _multi_tensor_constraint(c: Constraint, ts: list[torch.Tensor], plan: Any, ok: torch.Tensor | None = None) -> None:
     """``t <- c(t)`` for every tensor, in place, per device, dtype and rank (``c.apply_``: the norms of a
-    group, its factors in one pass, one ``torch._foreach_mul_``; ``c.bind_`` then ``c.run_``)."""
-    c.apply_(ts, plan)
+    group, its factors in one pass, one ``torch._foreach_mul_``; ``c.bind_`` then ``c.run_``); under a
+    device verdict ``ok``, ``where(ok, c(t), t)`` (``c.run_(bound, ok)``)."""
+    if ok is None:
+        c.apply_(ts, plan)
+    else:
+        c.run_(c.bind_(ts, plan), ok)
 
 
 class Constrain(DeclaredRule):
@@ -531,6 +561,13 @@ class Constrain(DeclaredRule):
 
     def same_kind(self) -> Any:
         return ("constrain", self.constraint.same_kind())
+
+    @property
+    def gates(self) -> bool:  # type: ignore[override]
+        """The built-in constraints and callables apply under a device verdict (module docstring); a
+        ``Constraint`` subclass of the user's may write in any way: its steps are decided on the host."""
+        c = self.constraint
+        return isinstance(c, CallableConstraint) or type(c).__module__ == __name__
 
     def settings(self) -> Any:
         c = self.constraint.settings()
@@ -571,8 +608,10 @@ class Constrain(DeclaredRule):
         return self.constraint.bind_(aliases([t for t in live if t is not None]), self.plan)
 
     def run(self, ctx: CommitContext, live: list[Any], args: Any) -> None:
+        ok = ctx.ok
         if args is not None and not torch.compiler.is_compiling():
-            self.constraint.run_(args)  # (plain aliases: no subclass to step around)
+            # (plain aliases: no subclass to step around)
+            self.constraint.run_(args) if ok is None else self.constraint.run_(args, ok)
             return
         ts = [t for t in live if t is not None]
         if self._sharded:  # DTensors: local shards, and one all-reduce for norms over sharded dims
@@ -587,10 +626,10 @@ class Constrain(DeclaredRule):
             return
         if not self.foreach:
             names = [ctx.index.name_of(t) or "?" for t in ts]
-            _single_tensor_constraint(self.constraint, ts, names, self.origin)
+            _single_tensor_constraint(self.constraint, ts, names, self.origin, ok)
             return
         with plain_if(self._sub):
-            _multi_tensor_constraint(self.constraint, ts, self.plan)
+            _multi_tensor_constraint(self.constraint, ts, self.plan, ok)
 
 
 def constrain(

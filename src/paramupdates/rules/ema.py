@@ -59,14 +59,24 @@ too), and read back by a ``load_state_dict`` pre-hook (PyTorch hands each module
 its metadata there). What rebuilds the state_dict as a plain dict
 (``dict(sd)``, a comprehension, safetensors, ``torch.distributed.checkpoint``)
 drops the metadata and with it ``t``: a load without ``t`` leaves ``t`` as it
-is. The ``state_dict()`` of every Stepper or attachment whose model owns the
-averaged tensors also holds ``t`` (``"updates"``), as a plain entry. A
+is, and so does the copy's own last state_dict handed back to it (DCP loads a
+``Stateful`` into the state_dict it made: that ``t`` is the copy's, not the
+checkpoint's); where such a load brings weights without their ``t`` into an EMA
+with a warmup, it warns. The ``state_dict()`` of every Stepper or attachment
+whose model owns the averaged tensors also holds ``t`` (``"updates"``), as a
+plain entry: checkpoint it (or the rule, ``rule_of(copy)``) with the copy. A
 state_dict saved by earlier versions, when ``t`` was the copy's buffer
 ``pu_ema_updates``, still loads (strictly): the pre-hook takes ``t`` from it.
 The alternatives: a buffer (the layout before: strict loading into the model
 fails, the buffers do not pair), a non-persistent buffer (``buffers()`` still
 misaligned, and not saved), ``get_extra_state`` (an ``_extra_state`` key the
 model refuses). ``pu.rules.ema.rule_of(copy).updates`` reads and sets ``t``.
+
+Under a step's device-side verdict ``ok`` (``on_nonfinite="skip"`` decided on the device, rule 7)
+the new average is computed out of place and selected, ``a <- where(ok, lerp(a, p, w), a)`` (a
+temporary per group of pairs: ``lerp(a, p, 0)`` is not ``a`` bitwise, it turns ``-0.0`` into
+``+0.0``), and ``t`` counts the skipped update on the device (:class:`Counter`). An EMA with a warmup
+needs ``t`` on the host for ``d_t``: its steps are decided on the host (one sync).
 
 ``torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay),
 use_buffers=True)`` computes the same floating-point average bitwise, except:
@@ -78,12 +88,14 @@ creation to align), and it "averages" integer buffers in float and truncates
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import sys
+import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
+from types import FrameType, MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -91,7 +103,8 @@ from torch import nn
 
 from .. import hooks, routing, sharding, state
 from ..errors import UpdateError, listed
-from ..origin import call_site
+from ..ops import select_
+from ..origin import call_site, is_internal
 from ..phases import AFTER_STEP
 from ..refs import WatchedRef
 from ..schedule import ScheduleEntry
@@ -125,11 +138,40 @@ class Counter:
     Two hooks on the copy's root module carry it through the copy's ``state_dict``: :class:`SaveCounter`
     writes it into the state_dict's metadata for the copy (``state_dict._metadata[prefix]``, which
     ``torch.save`` keeps and ``load_state_dict`` hands the module back as its ``local_metadata``), and
-    :class:`LoadCounter` reads it back. A plain Python int: no device tensor, no sync to read it.
+    :class:`LoadCounter` reads it back. A plain Python int, no sync to read it; after updates whose
+    verdict was taken on the device, ``skipped`` (a 0-dim int64 tensor there) counts those of them that
+    were skipped, and :meth:`value` reads it once (a wait for the device, made by whoever reads ``t``).
     """
 
-    def __init__(self, t: int = 0) -> None:
+    def __init__(self, t: int = 0, origin: str = "", warmup: bool = False) -> None:
         self.t = t
+        self.skipped: torch.Tensor | None = None
+        self.origin = origin  # (for the warning of :class:`LoadCounter`)
+        self.warmup = warmup  # d_t depends on t
+        self.quiet = False  # loading through the rule's own state, which carries t as a plain entry
+        # the metadata entry of the last state_dict the copy made (``load_state_dict`` copies the dict but
+        # passes its metadata on), the copy's version counters and t then: a load of that very state_dict,
+        # its tensors written in place since while t was not, loads weights without their t
+        self.handed: tuple[dict, tuple[int, ...], int] | None = None
+
+    def value(self) -> int:
+        """``t``: the updates counted, less those skipped on the device."""
+        if self.skipped is not None:
+            self.t -= int(self.skipped)
+            self.skipped = None
+        return self.t
+
+    def set(self, t: int) -> None:
+        self.t, self.skipped = int(t), None
+
+    def count(self, ok: torch.Tensor | None) -> None:
+        """One more update: applied (``ok`` None), or applied where the device verdict ``ok`` holds."""
+        self.t += 1
+        if ok is not None:
+            if self.skipped is None or self.skipped.device != ok.device:
+                self.skipped = (~ok).to(torch.int64) + (0 if self.skipped is None else self.skipped.to(ok.device))
+            else:
+                self.skipped.add_(~ok)
 
 
 class SaveCounter:
@@ -139,7 +181,14 @@ class SaveCounter:
         self.counter = counter
 
     def __call__(self, module: nn.Module, state_dict: Any, prefix: str, local_metadata: dict[str, Any]) -> None:
-        local_metadata[COUNTER] = self.counter.t
+        c = self.counter
+        local_metadata[COUNTER] = c.value()
+        c.handed = (local_metadata, _versions(module), c.t)
+
+
+def _versions(module: nn.Module) -> tuple[int, ...]:
+    """The version counters of the copy's tensors (their local shards): what an in-place load moves."""
+    return tuple(sharding.local(t)._version for t in itertools.chain(module.parameters(), module.buffers()))
 
 
 class LoadCounter:
@@ -147,7 +196,13 @@ class LoadCounter:
 
     A state_dict saved by an earlier version holds ``t`` as the tensor ``prefix + "pu_ema_updates"``: it is
     taken (and removed, so that strict loading passes). A state_dict that carries no ``t`` (the
-    model's own, or one rebuilt as a plain dict, which drops the metadata) leaves ``t`` as it is.
+    model's own, or one rebuilt as a plain dict, which drops the metadata) leaves ``t`` as it is, as
+    does the copy's own last state_dict handed back (``torch.distributed.checkpoint`` loads a
+    ``Stateful`` into the state_dict it made: its ``t`` is the copy's from then). Where such a load
+    brings weights without their ``t`` (a plain dict with no metadata at all: safetensors,
+    ``dict(sd)``; the copy's own state_dict written in place since, while ``t`` was not: DCP) into the
+    copy of an EMA with a warmup, it warns (:class:`~paramupdates.AccountingWarning`): the averaged
+    weights are those loaded, but the warmup goes on from this ``t``, not the saved one.
     """
 
     def __init__(self, counter: Counter) -> None:
@@ -165,11 +220,58 @@ class LoadCounter:
         error_msgs: list[str],
     ) -> None:
         old = state_dict.pop(prefix + COUNTER, None)  # the earlier layout: a 0-dim int64 buffer
+        c = self.counter
+        handed = c.handed
+        if handed is not None and handed[0] is local_metadata:
+            # the copy's own state_dict handed back: torch.distributed.checkpoint loads a Stateful into the
+            # state_dict it made, in place. The t in its metadata is the copy's from then, not the
+            # checkpoint's: never taken (a Stepper's state loaded since may have set t already)
+            if c.warmup and not c.quiet and _written_in_place(c, module):
+                _warn_counter_lost(c, type(module).__name__)
+            return
         t = local_metadata.get(COUNTER)
         if t is None and old is not None:
             t = int(old)
         if t is not None:
-            self.counter.t = int(t)
+            c.set(int(t))
+        elif not local_metadata and c.warmup and not c.quiet:
+            _warn_counter_lost(c, type(module).__name__)
+
+
+def _written_in_place(c: Counter, module: nn.Module) -> bool:
+    """Whether the copy's tensors were written since it made the state_dict handed back, while ``t`` was
+    not: weights loaded from elsewhere (a checkpoint), with no ``t`` of theirs."""
+    _metadata, versions, t = c.handed  # type: ignore[misc]
+    return c.value() == t and _versions(module) != versions
+
+
+def _warn_counter_lost(counter: Counter, what: str) -> None:
+    """:class:`~paramupdates.AccountingWarning`: a copy loaded from a state_dict that dropped its ``t``."""
+    from ..errors import AccountingWarning
+
+    site = call_site(2)
+    warnings.warn(
+        f"pu.ema (declared at {counter.origin}): its averaged copy ({what}) was loaded at {site} from a state_dict that "
+        "does not carry the EMA's update counter t (torch.distributed.checkpoint, safetensors and a dict rebuilt "
+        "from a state_dict drop the state_dict's metadata, where the copy keeps t). The averaged weights are the "
+        f"loaded ones, but t stays {counter.value()}, and the warmup's decay d_t follows t. Checkpoint the "
+        "state_dict() of the pu.Stepper or attachment (or pu.rules.ema.rule_of(copy), which DCP takes as a "
+        "Stateful) with the copy: it carries t as a plain entry. Or set pu.rules.ema.rule_of(copy).updates "
+        "after loading.",
+        AccountingWarning,
+        stacklevel=_outside_stacklevel(),
+    )
+
+
+def _outside_stacklevel() -> int:
+    """The ``stacklevel`` of a warning that points at the first frame outside paramupdates and torch (the
+    user's ``load_state_dict`` or ``dcp.load`` call, not torch's hook runner)."""
+    frame: FrameType | None = sys._getframe(2)
+    level = 2
+    while frame is not None and is_internal(frame.f_code.co_filename):
+        frame = frame.f_back
+        level += 1
+    return level
 
 
 def counter_of(module: nn.Module) -> Counter | None:
@@ -252,7 +354,7 @@ class EMA(Rule):
         self._aliased: tuple[Any, ...] | None = None  # the same lists, of plain aliases (eager commits)
         # t: beside the copy, carried by the copy's state_dict metadata (no tensor: the copy's
         # parameters and buffers are the model's, name for name)
-        self._counter = Counter()
+        self._counter = Counter(origin=str(origin), warmup=not (warmup is None or warmup is False))
         module.register_state_dict_post_hook(SaveCounter(self._counter))
         module.register_load_state_dict_pre_hook(LoadCounter(self._counter))
         # the model's tensors as the copy was last made for (dtype, device): the copy follows the model
@@ -369,12 +471,13 @@ class EMA(Rule):
     # --- the step counter t ------------------------------------------------
     @property
     def updates(self) -> int:
-        """``t``: the number of EMA updates so far (saved in the copy's ``state_dict`` metadata)."""
-        return self._counter.t
+        """``t``: the number of EMA updates so far (saved in the copy's ``state_dict`` metadata). After
+        updates decided on the device, reading it waits for the device once."""
+        return self._counter.value()
 
     @updates.setter
     def updates(self, value: int) -> None:
-        self._counter.t = int(value)
+        self._counter.set(value)
 
     # --- ownership -------------------------------------------------------
     def alive(self) -> bool:
@@ -435,7 +538,11 @@ class EMA(Rule):
             self._build()
             self._key = storage_key(self._pairs, self._sub)  # (_build may have moved or re-paired the copy)
             self._where = [(t.dtype, t.device) for t in self._src]
-        self._weight = 1.0 - self.decay_at(self.updates)  # a user warmup callable fails here, before writes
+        self._weight = self._weight_now()  # a user warmup callable fails here, before writes
+
+    def _weight_now(self) -> float:
+        """``1 - d_t`` (``t`` is read only where ``d_t`` depends on it: a warmup)."""
+        return 1.0 - (self.decay if self.gates else self.decay_at(self.updates))
 
     def fingerprint(self) -> list[torch.Tensor] | None:
         return self._pairs
@@ -443,7 +550,7 @@ class EMA(Rule):
     def revalidate(self, ctx: CommitContext, held: list[torch.Tensor], bound: Any = None) -> bool:
         if self._key is None:
             return False
-        self._weight = 1.0 - self.decay_at(self.updates)
+        self._weight = self._weight_now()
         return True
 
     def _expected(self, dtype: torch.dtype, device: torch.device) -> tuple[torch.dtype, torch.device]:
@@ -479,7 +586,7 @@ class EMA(Rule):
                 for s, d in zip(self._src, self._dst):
                     if s.shape == d.shape and not sharding.is_sharded(s):
                         d.copy_(s.detach().to(d.device))
-                self._counter.t = 0
+                self._counter.set(0)
             for i in moved:
                 s, d = self._src[i], self._dst[i]
                 if s.shape != d.shape or sharding.is_sharded(d) or (d.dtype, d.device) != self._expected(*seen[i]):
@@ -551,13 +658,22 @@ class EMA(Rule):
             )
         return self._aliased
 
+    @property
+    def gates(self) -> bool:  # type: ignore[override]
+        """Applies under a device verdict (selected; ``t`` counted on the device) unless ``d_t`` needs ``t``
+        on the host (a warmup)."""
+        return self.warmup is None or self.warmup is False
+
     def apply(self, ctx: CommitContext) -> None:
+        ok = ctx.ok
         with plain_if(self._sub):
             if not self.foreach:  # the reference path: one pair at a time
-                _single_tensor_ema(self._dst, self._src, self._avg, self._weight)
+                _single_tensor_ema(self._dst, self._src, self._avg, self._weight, ok)
+            elif ok is not None:
+                _gated_multi_tensor_ema(*self._lists(), self._weight, ok)
             else:
                 _multi_tensor_ema(*self._lists(), self._weight)
-        self._counter.t += 1
+        self._counter.count(ok)
 
     # --- state -------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -565,24 +681,35 @@ class EMA(Rule):
         return {"module": self.module.state_dict(), "updates": self.updates, "decay": self.decay}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.module.load_state_dict(state["module"])  # (a state saved by an earlier version: t as a tensor, taken)
+        c = self._counter
+        c.quiet = True  # (t is in state: a checkpoint that dropped the copy's metadata loses nothing)
+        try:
+            self.module.load_state_dict(state["module"])  # (a state saved by an earlier version: t as a tensor, taken)
+        finally:
+            c.quiet = False
         self.updates = int(state["updates"])
 
     def save(self) -> Any:
-        return self.updates
+        c = self._counter
+        return c.t, (None if c.skipped is None else c.skipped.clone())  # (not read: no wait)
 
     def restore(self, saved: Any) -> None:
-        self.updates = saved
+        self._counter.t, self._counter.skipped = saved
 
 
-def _single_tensor_ema(avg: list[torch.Tensor], src: list[torch.Tensor], averaged: list[bool], w: float) -> None:
+def _single_tensor_ema(
+    avg: list[torch.Tensor], src: list[torch.Tensor], averaged: list[bool], w: float, ok: torch.Tensor | None = None
+) -> None:
     """``a <- lerp(a, p, w)`` pair by pair, ``w = 1 - d_t`` (``a * (1 - w) + p * w`` where the dtypes
     differ; ``p`` first copied to ``a``'s device where the devices differ); a pair that is not
-    averaged (a non-floating buffer) is copied."""
+    averaged (a non-floating buffer) is copied. Under a device verdict ``ok``: ``a <- where(ok, new, a)``."""
     for d, s, a in zip(avg, src, averaged):
         if d.device != s.device:
             s = s.to(device=d.device)
-        if not a:
+        if ok is not None:
+            new = s if not a else d.lerp(s, w) if d.dtype == s.dtype else d.mul(1.0 - w).add_(s, alpha=w)
+            select_(ok, [d], [new])
+        elif not a:
             d.copy_(s)
         elif d.dtype == s.dtype:
             d.lerp_(s, w)
@@ -611,6 +738,30 @@ def _multi_tensor_ema(lerp: Pairs, mixed: Pairs, copied: Pairs, moved: list[tupl
             _mixed_lerp_(d, here, w)
         else:
             torch._foreach_copy_(d, here)
+
+
+def _gated_multi_tensor_ema(
+    lerp: Pairs, mixed: Pairs, copied: Pairs, moved: list[tuple[Any, Any, str]], w: float, ok: torch.Tensor
+) -> None:
+    """:func:`_multi_tensor_ema` under a device verdict ``ok``: each group's new values out of place (the
+    same kernels), then ``a <- where(ok, new, a)`` (``ops.select_``)."""
+    for d, s in lerp:
+        select_(ok, d, torch._foreach_lerp(d, s, w))
+    for d, s in mixed:
+        select_(ok, d, _mixed_lerp(d, s, w))
+    for d, s in copied:
+        select_(ok, d, s)
+    for d, s, how in moved:
+        here = [t.to(device=d[0].device) for t in s]
+        new = torch._foreach_lerp(d, here, w) if how == "lerp" else _mixed_lerp(d, here, w) if how == "mixed" else here
+        select_(ok, d, new)
+
+
+def _mixed_lerp(d: list[torch.Tensor], s: list[torch.Tensor], w: float) -> list[torch.Tensor]:
+    """``d * (1 - w) + s * w`` out of place (:func:`_mixed_lerp_`'s kernels)."""
+    new = list(torch._foreach_mul(d, 1.0 - w))
+    torch._foreach_add_(new, s, alpha=w)
+    return new
 
 
 def _mixed_lerp_(d: list[torch.Tensor], s: list[torch.Tensor], w: float) -> None:

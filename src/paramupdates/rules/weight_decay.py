@@ -36,6 +36,11 @@ Two ways to carry it out, chosen per param group at each commit (the schedule sh
 A param group that decays by itself (its own ``weight_decay`` is not 0) and a ``pu.weight_decay``
 over some of its parameters would decay them twice: the commit refuses it before anything is
 written, naming the parameters and the fix.
+
+Under a step's device-side verdict ``ok`` (``on_nonfinite="skip"`` decided on the device, rule 7)
+each factor is ``where(ok, 1 - lr * rate, 1)``: a skipped step multiplies by 1 (bitwise the same
+tensor), an applied one by the same factor as ever; the optimizer's own kernel skips its decay
+with the rest of its update (``found_inf``).
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from .. import sharding
 from ..errors import UpdateError, listed
+from ..ops import flag_on
 from ..origin import call_site
 from ..parameter import Parameter
 from ..phases import BEFORE_GRAD
@@ -81,8 +87,9 @@ def _single_tensor_weight_decay(params: list[torch.Tensor], factors: list[float]
         p.mul_(f)
 
 
-def _multi_tensor_weight_decay(groups: list[tuple[list[torch.Tensor], list[Any]]]) -> None:
-    """The same, one ``torch._foreach_mul_`` per group (one device and dtype; factors per tensor)."""
+def _multi_tensor_weight_decay(groups: list[tuple[list[torch.Tensor], Any]]) -> None:
+    """The same, one ``torch._foreach_mul_`` per group (one device and dtype; factors per tensor, or one
+    0-dim tensor for the whole group)."""
     for params, factors in groups:
         torch._foreach_mul_(params, factors)
 
@@ -105,11 +112,13 @@ class Factors:
       every commit, never on the host: ``1 - lr * rate`` per combination.
     """
 
-    __slots__ = ("combos", "of", "cpu", "dtype", "buf", "index", "values", "lrs")
+    __slots__ = ("combos", "of", "members", "device", "cpu", "dtype", "buf", "index", "values", "lrs")
 
     def __init__(self, dev: torch.device, dt: torch.dtype, combos: list[tuple[int, float]], of: list[int]) -> None:
         self.combos = combos  # (param group index, rate), in first-seen order
         self.of = of  # the combination of each tensor of the group
+        self.members = [[j for j, c in enumerate(of) if c == k] for k in range(len(combos))]
+        self.device = dev
         self.cpu = dev.type == "cpu"
         self.dtype = torch.float64 if dt == torch.float64 else torch.float32
         self.buf: torch.Tensor | None = None
@@ -117,9 +126,32 @@ class Factors:
         self.values: list[Any] = []
         self.lrs: tuple[Any, ...] | None = None
 
+    def _lrs(self, groups: list[dict], scale_by_lr: bool) -> tuple[Any, ...]:
+        return tuple([groups[gi]["lr"] if scale_by_lr else 1.0 for gi, _ in self.combos])
+
+    def gated(self, ts: list[Any], groups: list[dict], scale_by_lr: bool, ok: torch.Tensor) -> list[tuple[list, Any]]:
+        """Under a device verdict ``ok``: ``[(tensors, where(ok, f, 1))]``, one pair per combination (one
+        ``torch._foreach_mul_`` with a 0-dim factor each: the fused path on accelerators). The factor is made
+        on the group's device in the dtype the kernel computes it in (float64 for float64 tensors, else
+        float32; a tensor learning rate's own), so ``p * where(ok, f, 1)`` is ``p * f`` bitwise where ``ok``,
+        and ``p`` itself where not."""
+        dev = self.device
+        ok = flag_on(ok, dev)
+        ws = []
+        for lr, (_, rate) in zip(self._lrs(groups, scale_by_lr), self.combos):
+            f = 1.0 - lr * rate
+            if not isinstance(f, torch.Tensor):
+                f = torch.full((), f, dtype=self.dtype, device=dev)
+            elif f.device != dev:  # (a tensor learning rate kept on another device)
+                f = f.to(dev, non_blocking=True)
+            ws.append(torch.where(ok, f, 1.0))
+        if len(ws) == 1:
+            return [(ts, ws[0])]
+        return [([ts[j] for j in m], w) for m, w in zip(self.members, ws)]
+
     def get(self, groups: list[dict], scale_by_lr: bool) -> list[Any]:
         """The factors of the group's tensors, in order, for this commit."""
-        lrs = tuple([groups[gi]["lr"] if scale_by_lr else 1.0 for gi, _ in self.combos])
+        lrs = self._lrs(groups, scale_by_lr)
         numbers = all(isinstance(lr, _NUMBER) for lr in lrs)
         if numbers and lrs == self.lrs:
             return self.values
@@ -359,12 +391,14 @@ class WeightDecay(DeclaredRule):
             return None
         return [(aliases(ts), f) for ts, f in _foreach_lists(live, self.plan[0][2])]
 
+    gates = True  # the factors are where(ok, f, 1) under a device verdict (module docstring)
+
     def run(self, ctx: CommitContext, live: list[Any], args: Any) -> None:
         (idx, gis, foreach_groups), lent, _double = self.plan
         groups = ctx.optimizer.param_groups
         if args is not None and not lent and not torch.compiler.is_compiling():
             with plain_if(self._sub):
-                _multi_tensor_weight_decay([(ts, f.get(groups, self.scale_by_lr)) for ts, f in args])
+                _multi_tensor_weight_decay(self._foreach_groups(args, groups, ctx.ok))
             return
         touched = ctx.written_before_grad_after(self) if lent else set()  # must see the decayed values
         fallback: list[int] = []
@@ -383,17 +417,34 @@ class WeightDecay(DeclaredRule):
                     groups, _group_of(ctx.optimizer), live, sorted(set(idx) | set(fallback))
                 )
             if not self.foreach:  # the reference path: one tensor at a time
-                _single_tensor_weight_decay([ts[i] for i in idx], self._factors(groups, idx, gis))
+                params = [ts[i] for i in idx]
+                factors = self._factors(groups, idx, gis)
+                if ctx.ok is not None:
+                    factors = [_gated(f, ctx.ok, p) for p, f in zip(params, factors)]
+                _single_tensor_weight_decay(params, factors)
             else:
-                _multi_tensor_weight_decay(
-                    [(ts_, f.get(groups, self.scale_by_lr)) for ts_, f in _foreach_lists(ts, foreach_groups)]
-                )
+                _multi_tensor_weight_decay(self._foreach_groups(_foreach_lists(ts, foreach_groups), groups, ctx.ok))
+
+    def _foreach_groups(self, lists: list[tuple[list, Factors]], groups: list[dict], ok: Any) -> list[tuple[list, Any]]:
+        """``[(tensors, factors)]`` for :func:`_multi_tensor_weight_decay`; under a device verdict the
+        factors are ``where(ok, f, 1)`` (:meth:`Factors.gated`)."""
+        if ok is None:
+            return [(ts, f.get(groups, self.scale_by_lr)) for ts, f in lists]
+        return [pair for ts, f in lists for pair in f.gated(ts, groups, self.scale_by_lr, ok)]
 
     def optimizer_done(self) -> None:
         """The optimizer's step is over (or failed): its param groups get their own settings back."""
         lent, self._lent = self._lent, []
         for g, own in lent:
             g.update(own)
+
+
+def _gated(f: Any, ok: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``where(ok, f, 1)`` for one tensor ``p`` of the reference path, as :meth:`Factors.gated` makes it."""
+    if not isinstance(f, torch.Tensor):
+        dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+        f = torch.full((), f, dtype=dtype, device=p.device)
+    return torch.where(flag_on(ok, f.device), f, 1.0)
 
 
 def _foreach_lists(ts: list[Any], foreach_groups: list[tuple[list[int], Factors]]) -> list[tuple[list[Any], Factors]]:

@@ -20,6 +20,7 @@ steps, the first ones before compiling included, are.
 
 from __future__ import annotations
 
+import operator
 import warnings
 import weakref
 from typing import Any
@@ -79,7 +80,11 @@ def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
         local.applied = None
     if not p.rules:
         return
-    ran = done[1] if done is not None and any(o is optimizer for o in _unwrapped(done[0]())) else ()
+    ran: Any = ()
+    if done is not None:
+        opt = done[0]()
+        if opt is optimizer or optimizer in _unwrapped(opt):
+            ran = done[1]
     for rule, tensors in _covering(optimizer):
         if rule in ran or rule in p.warned or rule.removed:
             continue
@@ -89,12 +94,15 @@ def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
             _warn(rule, stepped, optimizer, done is not None)
 
 
+_params_of = operator.itemgetter("params")
+
+
 def _covering(optimizer: Any) -> list[tuple[Any, list[torch.Tensor]]]:
     """The declared rules that cover tensors of ``optimizer``'s param groups, with those tensors (kept per
     optimizer until a rule, the structure of a model or the groups change)."""
     p = state.process
     groups = optimizer.param_groups
-    key = (p.rules_version, p.structure, len(groups), sum(len(g["params"]) for g in groups))
+    key = (p.rules_version, p.structure, len(groups), sum(map(len, map(_params_of, groups))))
     hit = p.covering.get(optimizer)
     if hit is not None and hit[0] == key:
         return hit[1]

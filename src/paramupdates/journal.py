@@ -588,7 +588,7 @@ class Journal:
                 continue
             t = e.target
             info = e.info
-            owner = info.owner if info is not None and info.kind == "parameter" else None
+            owner = info.owner_ref() if info is not None and info.kind == "parameter" else None
             now = owner._parameters.get(e.attr) if owner is not None else t
             if now is not t:
                 # a new parameter object in the slot (to_empty, overwrite-on-conversion, module.x = ...)

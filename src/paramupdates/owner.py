@@ -68,7 +68,8 @@ class Owner:
         # a value read in a compiled forward would be guarded on, and recompile.
         self._closed = 0
         self._last = Schedule()
-        self._reuse_entries = commit_caches(self.index, optimizer)[2]
+        self._caches = commit_caches(self.index, optimizer)  # (this optimizer's; flush() takes the None ones)
+        self._reuse_entries = self._caches[2]
 
     @property
     def model(self) -> nn.Module:
@@ -89,7 +90,8 @@ class Owner:
         routing.prune_attachments()
 
     def _commit(self, journal: Journal, optimizer: torch.optim.Optimizer | None) -> Commit:
-        c = Commit(journal, optimizer, self.options, commit_caches(self.index, optimizer), self._closed)
+        caches = self._caches if optimizer is not None else commit_caches(self.index, None)
+        c = Commit(journal, optimizer, self.options, caches, self._closed)
         self._closed += 1
         return c
 

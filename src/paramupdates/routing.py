@@ -115,23 +115,6 @@ def prune_attachments() -> None:
     _process.attachments[:] = [a for a in _process.attachments if a.model is not None and a.optimizer is not None]
 
 
-def committing(commit: Any) -> Any:
-    """Context: ``commit`` runs ``optimizer.step()`` in this thread (an attachment on that optimizer
-    stands aside: :func:`committing_optimizer`)."""
-    return _Committing(commit)
-
-
-class _Committing:
-    def __init__(self, commit: Any) -> None:
-        self.commit = commit
-
-    def __enter__(self) -> None:
-        _local.committing.append(self.commit)
-
-    def __exit__(self, *exc: Any) -> None:
-        _local.committing.remove(self.commit)
-
-
 def running_commits() -> list[Any]:
     """The commits of this thread running ``optimizer.step()``."""
     return _local.committing

@@ -95,6 +95,10 @@ class Process:
         rules is current while it has the same version (a counter: it never repeats)."""
         self.rule_seq = itertools.count()
         """Declaration order of rules (commit order within a phase)."""
+        self.moves = 0
+        """Bumped whenever something a rule follows was collected or moved (a held tensor or module
+        collected, a module replaced in its parent): a model's rules, found whole and followable at a
+        commit, are looked at again at its next one only if this moved (``rules.base.rules_for``)."""
         self.rules_dead = False
         """Set (by a weak reference's callback) when what a rule belongs to was collected: the registry
         drops its dead rules at the next declaration or commit (``rules.base.purge``), so a model that

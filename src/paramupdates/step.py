@@ -25,13 +25,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import routing
+from . import routing, state
 from .attach import hookable, refuse_pending_attachment
 from .errors import UpdateError
 from .journal import Journal
 from .options import StepOptions
 from .origin import Label, call_site, capture
 from .owner import Owner, check_arguments
+
+_local, _process = state.local, state.process
 
 
 class Stepper(Owner):
@@ -224,12 +226,20 @@ def _guard_optimizer(optimizer: Any) -> tuple[Any, dict, Any] | None:
     return opt, hooks_, key
 
 
+def _runs_its_optimizer(j: Any) -> bool:
+    """Whether the commit of ``j`` is running ``optimizer.step()`` in this thread."""
+    for c in _local.committing:
+        if c.journal is j:
+            return True
+    return False
+
+
 def _refuse_foreign_step(o: Any, args: Any, kwargs: Any) -> None:
     """While a ``pu.step`` block records for ``o`` (in any thread), an ``o.step()`` that its commit does
     not make (the user's, or ``GradScaler.step``'s, or another thread's) raises :class:`UpdateError`
     before the optimizer writes: the commit owns that step."""
-    for j in routing.explicit_anywhere():
-        if getattr(j, "guarded", None) is not o or any(c.journal is j for c in routing.running_commits()):
+    for j in _process.steps:  # (every thread's pu.step blocks)
+        if getattr(j, "guarded", None) is not o or _runs_its_optimizer(j):
             continue  # another optimizer's step, or the commit's own call
         name = type(o).__name__
         raise UpdateError(

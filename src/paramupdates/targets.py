@@ -30,12 +30,15 @@ class ModelIndex:
     tensor by a weak reference: an entry whose tensor died is never taken for another tensor."""
 
     def __init__(self, model: nn.Module, reparametrized: bool = False) -> None:
-        self._model_ref = weakref.ref(model)
+        self.model_ref = weakref.ref(model)
         self.by_id: dict[int, TargetInfo] = {}
         self.generation = 0
         self.rules: list[RuleLike] = []
         """The rules that apply to the model, in declaration order (as of :attr:`rules_key`)."""
         self.rules_key: tuple[int, int] | None = None
+        self.followed: tuple[Any, int] | None = None
+        """``(rules_key, state.process.moves)`` when every rule of :attr:`rules` was last found followable
+        (``rules.base.rules_for`` looks again only when either changed)."""
         """``(state.process.rules_version, generation)`` when :attr:`rules` was made."""
         self.unbound: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         """optimizer -> ``(key, rules)``: the rules on bare tensors no model holds that it steps
@@ -55,7 +58,7 @@ class ModelIndex:
 
     @property
     def model(self) -> nn.Module | None:
-        return self._model_ref()
+        return self.model_ref()
 
     def build(self) -> None:
         """Walk the module tree; the first name of a shared tensor wins.

@@ -53,7 +53,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
-from .. import accounting, hooks, overlay, routing, sharding
+from .. import accounting, hooks, overlay, routing, sharding, state
 from ..errors import UpdateError, listed
 from ..ops import apply_op, select_
 from ..phases import AFTER_OPTIMIZER, AFTER_STEP, AUXILIARY, BEFORE_GRAD, GRAD, PHASES
@@ -156,6 +156,14 @@ class Commit:
         self.state = "begun"
         self._refuse_unwritable()
         self._take_rules()
+        if self.options.on_nonfinite is None and self.scaler is None and not j.synced and not self._model_sharded():
+            return True  # the default commit: no verdict to take, nothing to agree on with other ranks
+        return self._take_verdict()
+
+    def _take_verdict(self) -> bool:
+        """The step's verdict (``on_nonfinite``, a scaler's overflow, the other ranks' values): on the device
+        where every writer can take it (:meth:`_decides_on_device`), else on the host. False: skip the step."""
+        j = self.journal
         if self._decides_on_device():
             self._gate()
             return True
@@ -172,6 +180,16 @@ class Commit:
         if self.options.checks_finite:
             return self._decide_finite(params, grads, sharded, remote_bad)
         return True
+
+    def _model_sharded(self) -> bool:
+        """Whether the model has DTensor parameters (FSDP2): the sharding support's answer, kept on the model's
+        index per generation (``ModelIndex.sharded_layout``, read here first: no call into it then)."""
+        index = self.journal.index
+        hit = index.sharded_layout
+        if hit is not None and hit[0] == index.generation:
+            return hit[1]
+        support = hooks.sharding_support()
+        return support is not None and support.model_sharded(index)
 
     def _refuse_unwritable(self) -> None:
         """A model on the meta device, or targets converted or replaced while their updates were
@@ -204,16 +222,17 @@ class Commit:
             # rules that belong to the gradient update run once per real optimizer update (read-your-writes, rule 1)
             rules = [r for r in rules if not r.per_optimizer_update]
         self.rules = rules
-        if self.optimizer is not None:
+        if self.optimizer is not None and state.process.optimizer_watch is not None:
             accounting.applied(self.optimizer, rules)  # (rule 12: the optimizer step's rules are these)
-        by_phase: dict[str, list[Rule]] = {}
-        for r in rules:
-            by_phase.setdefault(r.phase, []).append(r)
-        self._phase_rules = by_phase
-        self.rollback.save_rules(rules)
-        self.rollback.fallible_left = (1 if self.optimizer is not None else 0) + sum(
-            1 for r in rules if not r.infallible
-        )
+        fallible = 1 if self.optimizer is not None else 0
+        if rules:
+            by_phase: dict[str, list[Rule]] = {}
+            for r in rules:
+                by_phase.setdefault(r.phase, []).append(r)
+                fallible += not r.infallible
+            self._phase_rules = by_phase
+            self.rollback.save_rules(rules)
+        self.rollback.fallible_left = fallible
 
     def _decides_on_device(self) -> bool:
         """Whether this step's verdict (``on_nonfinite="skip"``; with a scaler, its overflow) is taken on
@@ -468,10 +487,13 @@ class Commit:
         out = None
         opt = self.optimizer
         if opt is not None:
-            self.rollback.protect_optimizer(opt, all_params=closure is not None)
+            if self.rollback.enabled:
+                self.rollback.protect_optimizer(opt, all_params=closure is not None)
             self.optimizer_starting()
-            scaler = self._scaler()
-            with routing.committing(self):  # an attachment on this optimizer stands aside
+            scaler = self._scaler() if self.scaler is not None else None
+            running = routing.running_commits()
+            running.append(self)  # this commit runs opt.step(): an attachment on that optimizer stands aside
+            try:
                 if scaler is not None:  # (no closure: refused with a scaler)
                     # the scaler's verdict is taken (begin): on the host (no overflow: a step with one was
                     # dropped), or on the device (lent to the kernel as found_inf). What scaler.step would
@@ -480,6 +502,8 @@ class Commit:
                     scaler.update()
                 else:
                     out = opt.step() if closure is None else opt.step(closure)
+            finally:
+                running.remove(self)
             if closure is not None:
                 self.journal.hide()
                 if self.state == "new":
@@ -507,9 +531,10 @@ class Commit:
     def optimizer_stepped(self) -> None:
         """The optimizer's step is behind us (called by :meth:`run_optimizer`, or under attach by the
         optimizer's post-hook)."""
-        self._optimizer_done()
+        if self.rules or self._lent_flag is not None:
+            self._optimizer_done()
         if self.optimizer is not None:
-            self.rollback.stage_done(True)
+            self.rollback.fallible_left -= 1  # (the optimizer's step was a fallible stage: Rollback.stage_done)
         self.journal.done_phases.add(GRAD)
         self.state = "stepped"
 
@@ -528,9 +553,13 @@ class Commit:
 
     def finish(self) -> None:
         """Phases ``after_grad``, ``auxiliary`` and ``after_step``; the commit is done."""
-        self.journal.hide()
+        j = self.journal
+        j.hide()
         for phase in AFTER_OPTIMIZER:
-            self.run_phase(phase)
+            if phase in self._phase_rules or phase in j.by_phase or (j.rows and phase == AUXILIARY):
+                self.run_phase(phase)
+            else:
+                j.done_phases.add(phase)  # (nothing to apply: run_phase would only say so)
         self._end("done")
 
     def abort(self, exc: BaseException | None = None) -> None:
@@ -653,17 +682,19 @@ class Commit:
             ctx = self._context()
             # what a rule writes is listed only where it is needed: to copy it first (rollback), or to
             # classify recorded updates of a later phase (no Python work per tensor otherwise)
-            listed = rb.needs_copies() or bool(j.entries)
+            copies = rb.enabled and rb.fallible_left > 0  # (Rollback.needs_copies)
+            listed = copies or bool(j.entries)
             with no_grad():
                 for rule in rules:
                     if listed:
                         written = rule.tensors()
-                        rb.protect(written)
+                        if copies:
+                            rb.protect(written)
                         self._dirty_pending.append(written)
                     rule.apply(ctx)
                     rb.applied(rule)
                     self._applied.append(rule)
-                    rb.stage_done(not rule.infallible)
+                    rb.fallible_left -= not rule.infallible  # (Rollback.stage_done)
         in_phase = j.by_phase.get(phase, ())
         rows = phase == AUXILIARY and j.rows
         if not in_phase and not rows:

@@ -391,11 +391,19 @@ def rules_for(index: ModelIndex, optimizer: Any = None) -> list[Rule]:
     (accounted for, rule 12). Only the rules that may apply to this model follow their tensors anew, and
     they read the stored tensors behind any pending values the module slots show."""
     index.refresh()
-    purge()
-    _refuse_dead(index)
-    if index.rules_key != (state.process.rules_version, index.generation):
+    p = state.process
+    if p.rules_dead:
+        purge()
+    key = (p.rules_version, index.generation)
+    verified = index.followed == (key, p.moves)  # (nothing these rules follow moved since they were checked)
+    if not verified and index.rules:
+        _refuse_dead(index)
+    if index.rules_key != key:
         _take_rules(index)
-    _refuse_lost(index)
+    if not verified:
+        if index.rules:
+            _refuse_lost(index)
+        index.followed = (key, p.moves)
     extra = _unbound_rules(index, optimizer) if state.process.unbound else ()
     rules: list[Rule] = index.rules  # type: ignore[assignment]
     if not extra:
@@ -440,7 +448,7 @@ def _tensor_ids(model: Any) -> set[int]:
 def _refuse_dead(index: ModelIndex) -> None:
     """Raise if a rule that applied to the model at its last commit died since (the module it was
     declared on was removed from the model and collected), until it is removed."""
-    model = index.model
+    model = index.model_ref()
     if model is None:
         return
     for r in index.rules:
@@ -454,22 +462,27 @@ def _refuse_dead(index: ModelIndex) -> None:
 
 
 def _refuse_lost(index: ModelIndex) -> None:
-    """Raise if a rule that applies to the model can no longer follow its tensors by name (checked every
-    commit: a flag and a list per rule when nothing changed)."""
-    model = index.model
+    """Raise if a rule that applies to the model can no longer follow its tensors by name (looked at when
+    what the rules follow moved, or the rules or the model's tensors changed: ``rules_for``)."""
+    model = index.model_ref()
     if model is None:
         return
     for r in index.rules:
         lost = r.lost_names()
         if lost and not r.removed:
-            shown = listed(list(map(repr, lost)), 4)
-            raise UpdateError(
-                f"{r.describe()} declared at {r.origin} covers {shown}, which {type(model).__name__} "
-                "no longer has under that name (a layer removed or renamed after the declaration, a wrapper "
-                "put in its place, a parametrization registered on it). Nothing of this step was written. "
-                "Declare the rule again on the model as it is now (the same call), or undeclare it: "
-                f"{r.how_to_remove()}."
-            )
+            raise lost_error(r, type(model).__name__, lost)
+
+
+def lost_error(rule: Rule, model: str, lost: list[str]) -> UpdateError:
+    """The error of a commit of ``model`` (its class name) that ``rule`` cannot follow: ``lost`` are the
+    covered names the model no longer has."""
+    shown = listed(list(map(repr, lost)), 4)
+    return UpdateError(
+        f"{rule.describe()} declared at {rule.origin} covers {shown}, which {model} no longer has under that "
+        "name (a layer removed or renamed after the declaration, a wrapper put in its place, a parametrization "
+        "registered on it). Nothing of this step was written. Declare the rule again on the model as it is now "
+        f"(the same call), or undeclare it: {rule.how_to_remove()}."
+    )
 
 
 def _unbound_rules(index: ModelIndex, optimizer: Any) -> list[Rule]:

@@ -238,6 +238,7 @@ def rule_died(_ref: Any) -> None:
     process = getattr(state, "process", None)  # (None at interpreter shutdown: module globals are cleared)
     if process is not None:
         process.rules_dead = True
+        process.moves += 1
 
 
 def follow_in(rule: Any, root: nn.Module | None) -> None:
@@ -297,7 +298,9 @@ class WeakList:
         the names were rebased)."""
         if (self._died[0] or self._stale) and self._names is not None and self.root is not None:
             self.resync()
-        return [self._names[i] for i in self.lost] if self._names is not None else []
+        if not self.lost or self._names is None:
+            return []
+        return [self._names[i] for i in self.lost]
 
     def adopt(self, root: nn.Module, names: list[str | None]) -> bool:
         """Tensors given without their module, found in ``root`` under ``names``: from now on they are
@@ -314,6 +317,7 @@ class WeakList:
         self._root = weakref.ref(parent, rule_died)
         self._names = [f"{name}.{n}" for n in self._names or ()]
         self._stale = True
+        state.process.moves += 1
 
     def current(self) -> list[torch.Tensor | None]:
         """Each declared tensor (None where its name is lost, or where it died unfollowed)."""

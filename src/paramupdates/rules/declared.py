@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .base import Rule
+from .base import Rule, lost_error
 from .common import OnTensorList, WeakList, any_none, follow_in, has_subclass, storage_key
 
 if TYPE_CHECKING:
@@ -97,6 +97,10 @@ class DeclaredRule(OnTensorList, Rule):
         # replaced without a registration hook (Module._apply, to_empty) is followed even if the old one lives
         if self._tensors.resync():
             self._key = None
+            lost = self._tensors.lost_names()
+            if lost:  # (a name gone with no registration hook: refused before anything is written)
+                model = ctx.index.model_ref()
+                raise lost_error(self, type(model).__name__, lost)
         live = self._tensors.current()
         key = (self.plan_key(ctx, live), storage_key([t for t in live if t is not None], self._sub))
         if key != self._key:

@@ -460,6 +460,7 @@ class EMA(Rule):
         self._model = WatchedRef(parent, rule_died)
         self._path = f"{name}.{self._path}" if self._path else name
         self._stale = True
+        state.process.moves += 1
         self._key = None
         follow_in(self, parent)
 

@@ -20,6 +20,8 @@ The journal is written by the recording path and read by the commit
 from __future__ import annotations
 
 import contextlib
+import itertools
+import operator
 from typing import Any
 
 import torch
@@ -34,6 +36,7 @@ from .records import Entry, Issued, Record, Row
 from .targets import ModelIndex
 
 _graph_task_id = torch._C._current_graph_task_id
+_params_of = operator.itemgetter("params")
 _saved_hooks = hooks.saved_tensors_hooks  # (falsy: no checkpointed segment's forward is running)
 _local = state.local  # this thread's steps, conditions and replay (one attribute look-up less per update)
 _data_ptr = torch._C.TensorBase.data_ptr
@@ -103,11 +106,9 @@ class Journal:
     def opt_ids(self) -> set[int]:
         """``id()`` of every parameter of the optimizer (held by it for this step)."""
         if self._opt_ids is None:
-            ids: set[int] = set()
-            if self.optimizer is not None:
-                for g in self.optimizer.param_groups:
-                    ids.update(id(p) for p in g["params"])
-            self._opt_ids = ids
+            opt = self.optimizer
+            groups = opt.param_groups if opt is not None else ()
+            self._opt_ids = set(map(id, itertools.chain.from_iterable(map(_params_of, groups))))  # (in C)
         return self._opt_ids
 
     def rebuild_aliases(self) -> None:
@@ -265,8 +266,8 @@ class Journal:
         replay = _local.replay
         # (While dynamo traces, this is not a runtime check; a compiled forward
         # is not re-run by autograd: checkpointing inside it is a graph op.)
-        if replay is None and not how.traced:
-            self._refuse_in_backward(e.name, op, origin)
+        if replay is None and not how.traced and (_graph_task_id() != -1 or _saved_hooks(True)):
+            self._refuse_in_backward(e.name, op, origin)  # (during backward, or in a checkpointed segment)
         support = None if how.traced else hooks.sharding_support()
         if support is not None and not e.records:
             support.check_update(self, e, f"pu.{op}", origin)  # sharding hook: FSDP's temporary parameters
@@ -275,7 +276,9 @@ class Journal:
         issued = operand
         if new is None and not fresh:
             operand, key, issued = self._issued_operands(e, op, operand, key, origin, support, how)
-        old = overlay.plain(e.current() if replay is None else replay.current(self, e))  # (current_of, inlined)
+        old = (e.target if e.value is None else e.value) if replay is None else replay.current(self, e)
+        if type(old) not in _PLAIN:  # (current_of and overlay.plain, inlined: every update reads it)
+            old = overlay.plain(old)
         if new is not None:
             if pred is not None:
                 new = torch.where(pred, new, old)
@@ -527,6 +530,10 @@ class Journal:
 
     def read(self, t: torch.Tensor, how: Lookup = EAGER) -> torch.Tensor:
         """The value of ``t`` as this step sees it (pending or stored), as a plain tensor."""
+        k = id(t)
+        if not (how.traced or self.rows or self.aliases_stale or k in self.entries or k in self.aliases):
+            if _local.replay is None:  # (not a target, nor a pending value, of this step: as it is)
+                return t if type(t) in _PLAIN else overlay.plain(t)
         e = self.find(t, False, how)
         if e is None:
             return overlay.plain(t)

@@ -69,10 +69,8 @@ class Lookup:
         """A row ``i`` for target ``t`` with pending value ``new`` was added to ``j``."""
         j.row_ids[id(t)] = j.row_ids[id(new)] = i
 
-    @property
-    def reuses(self) -> bool:
-        """Whether entries of earlier steps are reused, and plain views of targets made at once."""
-        return True
+    reuses = True
+    """Whether entries of earlier steps are reused, and plain views of targets made at once."""
 
 
 class Traced(Lookup):
@@ -105,9 +103,7 @@ class Traced(Lookup):
     def rowed(self, j: Any, t: torch.Tensor, new: torch.Tensor, i: int) -> None:
         j.row_ids_stale = True
 
-    @property
-    def reuses(self) -> bool:
-        return False
+    reuses = False
 
 
 EAGER = Lookup()

@@ -22,17 +22,32 @@ from .schedule import Schedule
 from .targets import ModelIndex, index_of
 
 
-def _new_caches() -> tuple[SnapshotPool, RuleSet, dict]:
-    return (SnapshotPool(), RuleSet(), {})
+class Caches:
+    """What the steps of one ``(model, optimizer)`` keep from one to the next, shared by every ``pu.step``,
+    ``Stepper`` and attachment on them (commits on one model run one at a time; a commit nested in
+    another's optimizer step takes fresh copies, see ``rollback``; an entry in use by one journal is not
+    handed to another). Kept on the model's index, per optimizer held weakly: they live as long as both do.
+
+    * ``pool``: the rollback copies kept between commits on CPU (``copy_for_rollback``);
+    * ``ruleset``: the declared rules' plans and their one-pass re-check (``rules.base.RuleSet``);
+    * ``entries``: the journal entries of earlier steps, for a new journal to reuse;
+    * ``checked``: the sharding support has looked at the model and optimizer (once);
+    * ``guard``: where the guard of a ``pu.step``'s optimizer step sits (``step._guard_optimizer``).
+    """
+
+    __slots__ = ("pool", "ruleset", "entries", "checked", "guard")
+
+    def __init__(self) -> None:
+        self.pool = SnapshotPool()
+        self.ruleset = RuleSet()
+        self.entries: dict = {}
+        self.checked = False
+        self.guard: tuple[Any, dict, Any] | None = None
 
 
-def commit_caches(index: ModelIndex, optimizer: torch.optim.Optimizer | None) -> tuple[SnapshotPool, RuleSet, dict]:
-    """The rollback copies, the rule set and the journal entries for reuse of ``(model, optimizer)``,
-    shared by every ``pu.step``, ``Stepper`` and attachment on them (commits on one model run one at a
-    time; a commit nested in another's optimizer step takes fresh copies, see ``rollback``; an entry
-    in use by one journal is not handed to another). Kept on the model's index, per optimizer held
-    weakly: they live as long as both do."""
-    return index.caches_for(optimizer, _new_caches)
+def commit_caches(index: ModelIndex, optimizer: torch.optim.Optimizer | None) -> Caches:
+    """The :class:`Caches` of ``(model, optimizer)``, made the first time."""
+    return index.caches_for(optimizer, Caches)
 
 
 class Owner:
@@ -43,9 +58,13 @@ class Owner:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
-        support = hooks.sharding_support()  # sharding hook: refuse engines whose parameters pu cannot update
-        if support is not None:
-            support.check_model(model, optimizer, type(self).__name__)
+        self.index = index_of(model)
+        caches = self._caches = commit_caches(self.index, optimizer)  # (this optimizer's; flush() takes None's)
+        if not caches.checked:  # (once per model and optimizer: pu.step makes a Stepper per step)
+            support = hooks.sharding_support()  # sharding hook: refuse engines whose parameters pu cannot update
+            if support is not None:
+                support.check_model(model, optimizer, type(self).__name__)
+            caches.checked = True
         # ``weak`` (an attachment): model and optimizer are held weakly, so that a forgotten attachment
         # keeps neither alive (docs/design.md, "Attachments hold their model weakly")
         forget = self._forget if weak else None
@@ -53,7 +72,6 @@ class Owner:
         self._optimizer_ref = weakref.ref(optimizer, forget) if optimizer is not None else None
         self._strong = None if weak else (model, optimizer)
         self.options = options
-        self.index = index_of(model)
         # Steps applied and skipped as decided on the host, and the steps whose verdict was taken on the
         # device (on_nonfinite="skip" with no host sync): how many, and how many of those were skipped (a
         # 0-dim int64 tensor on the device, never read here). ``steps`` / ``skipped_steps`` read them.
@@ -67,9 +85,8 @@ class Owner:
         # (distributed sync, rule 9). Read and written only outside the forward (commit, discard):
         # a value read in a compiled forward would be guarded on, and recompile.
         self._closed = 0
-        self._last = Schedule()
-        self._caches = commit_caches(self.index, optimizer)  # (this optimizer's; flush() takes the None ones)
-        self._reuse_entries = self._caches[2]
+        self._last: Schedule | Commit | None = None  # (the last commit, or its plan once read: schedule())
+        self._reuse_entries = caches.entries
 
     @property
     def model(self) -> nn.Module:
@@ -119,7 +136,7 @@ class Owner:
         else:
             self._n_applied += 1
             self._last_ok = True
-        self._last = c.schedule()
+        self._last = c  # (its plan, made when schedule() is first read)
         c.release()
 
     def _fold(self) -> None:
@@ -192,7 +209,12 @@ class Owner:
 
     def schedule(self) -> Schedule:
         """The plan of the last committed step (phase, target, op, condition, origin)."""
-        return self._last
+        last = self._last
+        if last is None:
+            return Schedule()
+        if not isinstance(last, Schedule):
+            self._last = last = last.schedule()  # (the last commit's plan, made now: most are never read)
+        return last
 
     def pending_schedule(self) -> Schedule:
         """The plan so far of the step in progress (empty if none is open)."""

@@ -104,7 +104,6 @@ class Stepper(Owner):
                 "(torch.amp.GradScaler.step does not support closures)."
             )
         self._journal: Journal | None = None
-        self._guard: tuple[Any, dict, Any] | None = None  # (optimizer, its pre-hooks, the guard's key there)
 
     def step(self, closure: Callable[[], Any] | None = None) -> StepBlock:
         """Context manager: one step; commits on a clean exit, discards on an exception."""
@@ -130,29 +129,31 @@ class Stepper(Owner):
 
     def _open(self) -> Journal:
         site = capture(3)  # (the caller of __enter__; formatted only if shown)
-        if routing.explicit():
-            other = routing.explicit()[-1]
+        if _local.explicit:
+            other = _local.explicit[-1]
             raise UpdateError(
                 f"pu.step at {site} for {type(self.model).__name__}: a step is already in progress "
                 f"({other.label}, for {type(other.index.model).__name__}); pu.step blocks do not nest. "
                 "Finish the outer step first, or open one step on a module that contains both models."
             )
         label = Label("pu.step", site)
-        refuse_pending_attachment(self.model, label)
-        j = Journal(self.index, self.optimizer, label, self._reuse())
+        if _process.attachments:
+            refuse_pending_attachment(self.model, label)
+        optimizer = self.optimizer
+        j = Journal(self.index, optimizer, label, self._reuse_entries)
         self._journal = j
         routing.enter(j)
-        if self.optimizer is not None:
+        if optimizer is not None:
             j.guarded = self._guarded()
         return j
 
     def _guarded(self) -> Any:
-        """:func:`_guard_optimizer` of this stepper's optimizer, looked for once: later steps only check
-        (one dict look-up) that the guard is still among its pre-hooks."""
-        g = self._guard
+        """:func:`_guard_optimizer` of this stepper's optimizer, looked for once per model and optimizer:
+        later steps only check (one dict look-up) that the guard is still among its pre-hooks."""
+        g = self._caches.guard
         if g is not None and g[0]._optimizer_step_pre_hooks is g[1] and g[1].get(g[2]) is _refuse_foreign_step:
             return g[0]
-        self._guard = g = _guard_optimizer(self.optimizer)
+        self._caches.guard = g = _guard_optimizer(self.optimizer)
         return None if g is None else g[0]
 
     def _close(self, j: Journal) -> None:

@@ -36,7 +36,7 @@ from .errors import UpdateError, listed
 from .journal import Journal
 from .lookup import Lookup
 from .ops import apply_inplace, check_operand
-from .origin import Origin
+from .origin import Origin, capture
 from .targets import describe, owner_anywhere, reparametrizing, slot_name
 
 _local = state.local  # this thread's steps and conditions (one attribute look-up less per update)
@@ -61,8 +61,11 @@ def issue(
     cond = _local.conditions[-1]
     if cond is False:
         return
-    how = lookup.choose()  # eager or traced, once for the whole call
-    origin = how.origin(depth)
+    if torch.compiler.is_compiling():  # the lookup strategy, eager or traced, once for the whole call
+        how: Lookup = lookup.TRACED
+        origin = how.origin(depth)
+    else:
+        how, origin = lookup.EAGER, capture(depth, False)
     if not isinstance(target, torch.Tensor):
         raise UpdateError(
             f"pu.{op} at {origin}: the target is a {type(target).__name__}, not a tensor. "

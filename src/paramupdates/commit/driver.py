@@ -53,15 +53,15 @@ import torch
 from torch.amp.grad_scaler import OptState
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
-from .. import accounting, hooks, overlay, routing, sharding, state
+from .. import accounting, hooks, overlay, sharding, state
 from ..errors import UpdateError, listed
 from ..ops import apply_op, select_
 from ..phases import AFTER_OPTIMIZER, AFTER_STEP, AUXILIARY, BEFORE_GRAD, GRAD, PHASES
 from ..records import Entry, Issued
-from ..rules.base import CommitContext, Rule, RuleSet, rules_for
+from ..rules.base import CommitContext, Rule, rules_for
 from ..schedule import Schedule, ScheduleEntry
 from .finite import device_flag, finite_flag, nonfinite, on_one_device, optimizer_grads, pending_values
-from .rollback import Rollback, SnapshotPool
+from .rollback import Rollback
 
 if TYPE_CHECKING:
     from ..journal import Journal
@@ -76,7 +76,7 @@ class Commit:
         journal: Journal,
         optimizer: torch.optim.Optimizer | None,
         options: StepOptions,
-        caches: tuple[SnapshotPool, RuleSet, dict] | None,
+        caches: Any,  # owner.Caches (or None): the ruleset and the rollback pool of (model, optimizer)
         seq: int,
     ) -> None:
         self.journal = journal
@@ -87,8 +87,8 @@ class Commit:
         self.seq = (
             seq  # the owner's count of closed steps: ranks check they commit the same one (distributed sync, rule 9)
         )
-        pool, self.ruleset, _entries = caches if caches is not None else (None, None, None)
-        self.rollback = Rollback(options.copy_for_rollback, pool)
+        self.ruleset = caches.ruleset if caches is not None else None
+        self.rollback = Rollback(options.copy_for_rollback, caches.pool if caches is not None else None)
         self._applied: list[str | Rule] = []  # what was written so far, for the note on an exception
         self.rules: list[Rule] = []
         self._phase_rules: dict[str, list[Rule]] = {}  # the rules by phase, in declaration order
@@ -455,7 +455,10 @@ class Commit:
                 for rule in self.rules:
                     rule.check(ctx)
         self.state = "checked"
-        self.run_phase(BEFORE_GRAD)
+        if BEFORE_GRAD in self._phase_rules or BEFORE_GRAD in j.by_phase:
+            self.run_phase(BEFORE_GRAD)
+        else:
+            j.done_phases.add(BEFORE_GRAD)  # (nothing to apply)
 
     def _context(self) -> CommitContext:
         """What the rules of this commit see (made once)."""
@@ -491,7 +494,7 @@ class Commit:
                 self.rollback.protect_optimizer(opt, all_params=closure is not None)
             self.optimizer_starting()
             scaler = self._scaler() if self.scaler is not None else None
-            running = routing.running_commits()
+            running = state.local.committing  # (routing.running_commits)
             running.append(self)  # this commit runs opt.step(): an attachment on that optimizer stands aside
             try:
                 if scaler is not None:  # (no closure: refused with a scaler)
@@ -610,7 +613,8 @@ class Commit:
         self.state = state
         self._row_groups = None
         self.journal.close()
-        self.rollback.end()
+        if self.rollback.enabled:  # (without copies it kept nothing to let go of)
+            self.rollback.end()
 
     # ------------------------------------------------------------------
     # skipped steps under a closure or an attachment: the optimizer runs, but sees no gradients
@@ -703,7 +707,8 @@ class Commit:
         fast_dst: list[torch.Tensor] = []
         fast_src: list[torch.Tensor] = []
         slow: list[Entry] = []
-        self._flush_dirty()
+        if self._dirty_pending:
+            self._flush_dirty()
         dirty = self._dirty
         later = phase != BEFORE_GRAD and GRAD in j.done_phases  # the optimizer may have written trainables
         for e in in_phase:

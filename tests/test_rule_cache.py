@@ -60,7 +60,7 @@ def _reference(steps, change=None):
         if change is not None and i == 2:
             change(m, opt)
         stepper = pu.Stepper(m, opt)
-        commit_caches(stepper.index, opt)[1].clear()
+        commit_caches(stepper.index, opt).ruleset.clear()
         _step(m, opt, stepper, i)
     return m, opt, averaged
 
@@ -91,7 +91,7 @@ def test_a_fresh_pu_step_per_iteration_shares_the_cache(full_checks):
             m(x).pow(2).sum().backward()
         opt.zero_grad()
         copies.append(
-            [id(c) for plan in commit_caches(s.index, opt)[0]._plans.values() for _, kept in plan for c in kept]
+            [id(c) for plan in commit_caches(s.index, opt).pool._plans.values() for _, kept in plan for c in kept]
         )
     assert full_checks == {"weight_decay": 1, "constrain": 1, "ema": 1}
     assert copies[1] == copies[2] == copies[3] and copies[1]  # the same kept buffers every step

@@ -241,28 +241,7 @@ class Journal:
         ``new``: the new value, already computed by the caller from the value it read (an internal,
         ``fresh`` update; a ``pu.when`` condition still applies to it).
         """
-        if phase is None or phase == AUXILIARY:
-            if e.trainable:
-                raise AmbiguousOrderError(
-                    f"{issued_by(op, e.name, origin)} has no phase, but {e.name!r} is trainable "
-                    "(the optimizer also updates it), so the order of the two updates is ambiguous. "
-                    "Pass phase='before_grad' to apply it before the gradient update, or "
-                    "phase='after_grad' to apply it after."
-                )
-            phase = AUXILIARY
-        elif phase not in RECORD_PHASES:
-            raise UpdateError(
-                f"{issued_by(op, e.name, origin)}: unknown phase {phase!r}; use one of "
-                f"{', '.join(map(repr, ISSUE_PHASES))}."
-            )
-        if sync is not None or e.sync is not None:
-            fn = f"pu.{op}"
-            hooks.sync_backend(issued_by(op, e.name, origin)).check_update(self, e, sync, phase, fn, origin)
-        if self.done_phases and phase in self.done_phases:
-            raise UpdateError(
-                f"{issued_by(op, e.name, origin)} with phase={phase!r} was issued after that phase was "
-                f"committed (inside optimizer.step()). Issue it before the optimizer step, or use a later phase."
-            )
+        phase = self._phase_of(e, op, phase, sync, origin)
         replay = _local.replay
         # (While dynamo traces, this is not a runtime check; a compiled forward
         # is not re-run by autograd: checkpointing inside it is a graph op.)
@@ -295,6 +274,34 @@ class Journal:
             replay.set_value(self, e, new)  # issued again by a recomputation: only its view moves
             return
         self._store(e, Record(op, issued, key, pred, phase, sync, origin), new, how)
+
+    def _phase_of(self, e: Entry, op: str, phase: str | None, sync: str | None, origin: Any) -> str:
+        """The phase an update of ``e`` is recorded in: ``phase``, or ``auxiliary`` for ``None`` on a
+        target the optimizer does not update (on one it does: :class:`AmbiguousOrderError`, rule 5); an
+        unknown phase, a phase already committed, or a ``sync=`` the sync backend refuses raise."""
+        if phase is None or phase == AUXILIARY:
+            if e.trainable:
+                raise AmbiguousOrderError(
+                    f"{issued_by(op, e.name, origin)} has no phase, but {e.name!r} is trainable "
+                    "(the optimizer also updates it), so the order of the two updates is ambiguous. "
+                    "Pass phase='before_grad' to apply it before the gradient update, or "
+                    "phase='after_grad' to apply it after."
+                )
+            phase = AUXILIARY
+        elif phase not in RECORD_PHASES:
+            raise UpdateError(
+                f"{issued_by(op, e.name, origin)}: unknown phase {phase!r}; use one of "
+                f"{', '.join(map(repr, ISSUE_PHASES))}."
+            )
+        if sync is not None or e.sync is not None:
+            fn = f"pu.{op}"
+            hooks.sync_backend(issued_by(op, e.name, origin)).check_update(self, e, sync, phase, fn, origin)
+        if self.done_phases and phase in self.done_phases:
+            raise UpdateError(
+                f"{issued_by(op, e.name, origin)} with phase={phase!r} was issued after that phase was "
+                f"committed (inside optimizer.step()). Issue it before the optimizer step, or use a later phase."
+            )
+        return phase
 
     def _made_without_grad(self, e: Entry, new: torch.Tensor, how: Lookup) -> torch.Tensor:
         """``e``'s pending value ``new``, made with autograd off, as the step's later reads use it.

@@ -182,36 +182,40 @@ def check_operand(op: str, target: torch.Tensor, operand: Any, key: Any, name: s
                 "An update keeps the target's shape: pass a tensor of exactly that shape or a scalar."
             )
     elif isinstance(operand, bool | int | float | complex):
-        if isinstance(operand, complex) and not target.is_complex():
-            raise UpdateError(
-                f"{_at(op, name, origin)}: a complex value cannot be stored in a {target.dtype} target without losing its "
-                "imaginary part. Pass a real number (value.real), or make the target complex."
-            )
-        if isinstance(operand, float) and not (target.is_floating_point() or target.is_complex()):
-            raise UpdateError(
-                f"{_at(op, name, origin)}: a float value cannot be stored in a {target.dtype} target. "
-                "Pass an int, or convert the target."
-            )
-        if type(operand) is int and not (
-            target.is_floating_point() or target.is_complex() or target.dtype == torch.bool
-        ):
-            info = torch.iinfo(target.dtype)
-            if not info.min <= operand <= info.max:
-                raise UpdateError(
-                    f"{_at(op, name, origin)}: the value {operand} does not fit a {target.dtype} target (range {info.min} to "
-                    f"{info.max}). Pass a value in range, or use a wider target dtype (e.g. torch.int64)."
-                )
-        if op == "assign_key":
-            try:
-                target.detach()[key]
-            except (IndexError, RuntimeError, TypeError) as e:
-                raise UpdateError(
-                    f"{_at(op, name, origin)}: bad key {key!r} for shape {tuple(target.shape)} ({e})."
-                ) from None
+        _check_number(op, target, operand, key, name, origin)
     else:
         raise UpdateError(
             f"{_at(op, name, origin)}: value of type {type(operand).__name__} is not a tensor or a Python number."
         )
+
+
+def _check_number(op: str, target: torch.Tensor, operand: Any, key: Any, name: str, origin: str) -> None:
+    """:func:`check_operand` for a Python number: it must fit the target's dtype without losing its kind
+    or range; an ``assign_key`` key must index the target."""
+    if isinstance(operand, complex) and not target.is_complex():
+        raise UpdateError(
+            f"{_at(op, name, origin)}: a complex value cannot be stored in a {target.dtype} target without losing its "
+            "imaginary part. Pass a real number (value.real), or make the target complex."
+        )
+    if isinstance(operand, float) and not (target.is_floating_point() or target.is_complex()):
+        raise UpdateError(
+            f"{_at(op, name, origin)}: a float value cannot be stored in a {target.dtype} target. "
+            "Pass an int, or convert the target."
+        )
+    if type(operand) is int and not (target.is_floating_point() or target.is_complex() or target.dtype == torch.bool):
+        info = torch.iinfo(target.dtype)
+        if not info.min <= operand <= info.max:
+            raise UpdateError(
+                f"{_at(op, name, origin)}: the value {operand} does not fit a {target.dtype} target (range {info.min} to "
+                f"{info.max}). Pass a value in range, or use a wider target dtype (e.g. torch.int64)."
+            )
+    if op == "assign_key":
+        try:
+            target.detach()[key]
+        except (IndexError, RuntimeError, TypeError) as e:
+            raise UpdateError(
+                f"{_at(op, name, origin)}: bad key {key!r} for shape {tuple(target.shape)} ({e})."
+            ) from None
 
 
 # --- a write under the step's device-side verdict (on_nonfinite="skip" decided on the device, rule 7) --------

@@ -46,6 +46,7 @@ class TargetInfo:
     slots: dict | None = None
     sharded: bool = False  # a DTensor (FSDP2)
     kept: tuple | None = None  # a pu.Parameter: (its class, auxiliary, weight_decay), to keep its type
+    meta: bool = False  # on the meta device when indexed (no values: nothing to step)
 
     @property
     def owner(self) -> nn.Module | None:

@@ -73,75 +73,94 @@ class Local(threading.local):
 
 
 class Process:
-    """What the process keeps (shared by its threads)."""
+    """What the process keeps (shared by its threads). Each attribute, what it holds:"""
+
+    # --- steps and what reads show -------------------------------------------------------------------
+    steps: list[JournalLike]
+    """Every explicit step in progress, of every thread (what serialization and ``load_state_dict``
+    look at: a module's slots are shared between threads)."""
+    attachments: list[OwnerLike]
+    """Live attachments (``pu.attach``), in attach order. An attachment holds its model weakly and leaves
+    this list when the model is collected."""
+    pu_pending: dict[int, Any]
+    """``id(pu.Parameter)`` -> what it shows: a holder with ``.target`` (the parameter, held, so the key
+    cannot be reused while it is here) and ``.value``."""
+    indexes: weakref.WeakKeyDictionary[Any, Any]
+    """model -> its ``targets.ModelIndex`` (which holds the model's rules and commit caches)."""
+    structure: int
+    """Bumped whenever a module of an indexed model gets a parameter, buffer or submodule through torch's
+    registration paths (assignment, ``register_*``, ``add_module``, ``load_state_dict(assign=True)``, item
+    assignment in ``Sequential`` / ``ModuleList`` / ``ModuleDict``): each index compares it at its model's
+    next commit and rebuilds (``targets.ModelIndex.refresh``)."""
+    watched: weakref.WeakSet[Any]
+    """The modules of indexed models (what :attr:`structure` watches)."""
+
+    # --- declared rules ---------------------------------------------------------------------------------
+    rules: list[Any]
+    """The registry of declared rules, in declaration order (``rules.base.register``). Which of them
+    apply to a model is kept on the model's index (``rules.base.rules_for``)."""
+    rules_version: int
+    """Bumped whenever a rule is declared, removed, or follows other tensors: an index's list of rules is
+    current while it has the same version (a counter: it never repeats)."""
+    rule_seq: itertools.count
+    """Declaration order of rules (commit order within a phase)."""
+    moves: int
+    """Bumped whenever something a rule follows was collected or moved (a held tensor or module
+    collected, a module replaced in its parent): a model's rules, found whole and followable at a commit,
+    are looked at again at its next one only if this moved (``rules.base.rules_for``)."""
+    rules_dead: bool
+    """Set (by a weak reference's callback) when what a rule belongs to was collected: the registry drops
+    its dead rules at the next declaration or commit (``rules.base.purge``), so a model that declared
+    rules and is dropped without ever being stepped is collected with its EMA copy."""
+    graveyard: collections.deque[Any]
+    """The last rules on bare tensors dropped because every tensor was collected: the sharding support
+    looks whether ``fully_shard`` replaced them (bounded: no tensor is held)."""
+    unbound: int
+    """How many declared rules follow no module (bare tensors no indexed model holds), as of the last time
+    an index took its rules: a commit looks for those its optimizer steps only if any."""
+    rule_roots: weakref.WeakKeyDictionary[Any, Any]
+    """A module a rule follows its tensors in -> the rules (a ``weakref.WeakSet``): when the module is
+    replaced in its parent, they follow the new one by name (``guards.on_module_registration``)."""
+    optimizer_watch: Any
+    """The handles of the global optimizer step hooks (``accounting.watch``), once a rule was declared."""
+    warned: weakref.WeakSet[Any]
+    """Rules already warned about as left out of an optimizer step (``accounting``: once per rule)."""
+    covering: weakref.WeakKeyDictionary[Any, Any]
+    """optimizer -> ``(key, [(rule, its tensors the optimizer steps)])`` (``accounting``)."""
+    ema_copies: weakref.WeakKeyDictionary[Any, Any]
+    """An averaged copy returned by ``pu.ema`` -> a weak reference to its rule."""
+
+    # --- modules and tensors paramupdates keeps an eye on -------------------------------------------------
+    guarded: weakref.WeakSet[Any]
+    """Modules whose ``state_dict`` / ``load_state_dict`` are hooked (``guards.guard_module``)."""
+    materialized: WeakIdKeyDictionary
+    """A storage made by ``torch.empty_like`` of a ``pu.Parameter`` (``to_empty()``) -> what to make its
+    parameter again: ``(class, auxiliary, weight_decay)``."""
+    assigned_plain: weakref.WeakSet[Any]
+    """Plain ``nn.Parameter`` objects the user assigned in a ``pu.Parameter``'s place (``guards``): the
+    index keeps them plain, where it makes one that torch re-created a ``pu.Parameter`` again."""
+    parametrized: WeakIdKeyDictionary
+    """The output tensor of a ``torch.nn.utils.parametrize`` parametrization (held weakly) -> its
+    ``ParametrizationList`` (a weak reference) and the parametrized tensor's display name
+    (``integrations.parametrize``: updates of it go through ``right_inverse``, rule 10)."""
+    internal_by_file: dict[str, bool]
+    """Per source file name: whether its frames are skipped when finding a call site (``origin``).
+    Bounded (4096: the files of re-run notebook cells)."""
 
     def __init__(self) -> None:
-        self.steps: list[JournalLike] = []
-        """Every explicit step in progress, of every thread (what serialization and
-        ``load_state_dict`` look at: a module's slots are shared between threads)."""
-        self.attachments: list[OwnerLike] = []
-        """Live attachments (``pu.attach``), in attach order. An attachment holds its model weakly and
-        leaves this list when the model is collected."""
-        self.pu_pending: dict[int, Any] = {}
-        """``id(pu.Parameter)`` -> what it shows: a holder with ``.target`` (the parameter, held, so
-        the key cannot be reused while it is here) and ``.value``."""
-        self.indexes: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-        """model -> its ``targets.ModelIndex`` (which holds the model's rules and commit caches)."""
-        self.rules: list[Any] = []
-        """The registry of declared rules, in declaration order (``rules.base.register``). Which of
-        them apply to a model is kept on the model's index (``rules.base.rules_for``)."""
-        self.rules_version = 0
-        """Bumped whenever a rule is declared, removed, or follows other tensors: an index's list of
-        rules is current while it has the same version (a counter: it never repeats)."""
-        self.rule_seq = itertools.count()
-        """Declaration order of rules (commit order within a phase)."""
-        self.moves = 0
-        """Bumped whenever something a rule follows was collected or moved (a held tensor or module
-        collected, a module replaced in its parent): a model's rules, found whole and followable at a
-        commit, are looked at again at its next one only if this moved (``rules.base.rules_for``)."""
-        self.rules_dead = False
-        """Set (by a weak reference's callback) when what a rule belongs to was collected: the registry
-        drops its dead rules at the next declaration or commit (``rules.base.purge``), so a model that
-        declared rules and is dropped without ever being stepped is collected with its EMA copy."""
-        self.graveyard: collections.deque[Any] = collections.deque(maxlen=64)
-        """The last rules on bare tensors dropped because every tensor was collected: the sharding
-        support looks whether ``fully_shard`` replaced them (bounded: no tensor is held)."""
-        self.unbound = 0
-        """How many declared rules follow no module (bare tensors no indexed model holds), as of the
-        last time an index took its rules: a commit looks for those its optimizer steps only if any."""
-        self.rule_roots: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-        """A module a rule follows its tensors in -> the rules (a ``weakref.WeakSet``): when the module is
-        replaced in its parent, they follow the new one by name (``guards.on_module_registration``)."""
-        self.optimizer_watch: Any = None
-        """The handle of the global optimizer step post-hook (``accounting.watch``), once a rule was declared."""
-        self.warned: weakref.WeakSet[Any] = weakref.WeakSet()
-        """Rules already warned about as left out of an optimizer step (``accounting``: once per rule)."""
-        self.covering: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-        """optimizer -> ``(key, [(rule, its tensors the optimizer steps)])`` (``accounting``)."""
-        self.structure = 0
-        """Bumped whenever a module of an indexed model gets a parameter, buffer or submodule through
-        torch's registration paths (assignment, ``register_*``, ``add_module``, ``load_state_dict(assign=True)``,
-        item assignment in ``Sequential`` / ``ModuleList`` / ``ModuleDict``): each index compares it at its
-        model's next commit and rebuilds (``targets.ModelIndex.refresh``)."""
-        self.watched: weakref.WeakSet[Any] = weakref.WeakSet()
-        """The modules of indexed models (what :attr:`structure` watches)."""
-        self.ema_copies: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-        """An averaged copy returned by ``pu.ema`` -> a weak reference to its rule."""
-        self.guarded: weakref.WeakSet[Any] = weakref.WeakSet()
-        """Modules whose ``state_dict`` / ``load_state_dict`` are hooked (``guards.guard_module``)."""
-        self.materialized: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self.assigned_plain: weakref.WeakSet[Any] = weakref.WeakSet()
-        """Plain ``nn.Parameter`` objects the user assigned in a ``pu.Parameter``'s place (``guards``): the
-        index keeps them plain, where it makes one that torch re-created a ``pu.Parameter`` again."""
-        """A storage made by ``torch.empty_like`` of a ``pu.Parameter`` (``to_empty()``) -> what to
-        make its parameter again: ``(class, auxiliary, weight_decay)``."""
-        self.parametrized: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        """The output tensor of a ``torch.nn.utils.parametrize`` parametrization (held weakly) -> its
-        ``ParametrizationList`` (a weak reference) and the parametrized tensor's display name
-        (``integrations.parametrize``: updates of it go through ``right_inverse``, rule 10)."""
-        self.internal_by_file: dict[str, bool] = {}
-        """Per source file name: whether its frames are skipped when finding a call site (``origin``).
-        Bounded (4096: the files of re-run notebook cells)."""
+        self.steps, self.attachments, self.pu_pending = [], [], {}
+        self.indexes = weakref.WeakKeyDictionary()
+        self.structure, self.watched = 0, weakref.WeakSet()
+        self.rules, self.rules_version, self.rule_seq = [], 0, itertools.count()
+        self.moves, self.rules_dead, self.unbound = 0, False, 0
+        self.graveyard = collections.deque(maxlen=64)
+        self.rule_roots = weakref.WeakKeyDictionary()
+        self.optimizer_watch = None
+        self.warned, self.covering = weakref.WeakSet(), weakref.WeakKeyDictionary()
+        self.ema_copies = weakref.WeakKeyDictionary()
+        self.guarded, self.materialized = weakref.WeakSet(), WeakIdKeyDictionary()
+        self.assigned_plain, self.parametrized = weakref.WeakSet(), WeakIdKeyDictionary()
+        self.internal_by_file = {}
 
     def clear(self) -> None:
         self.steps.clear()

@@ -78,7 +78,6 @@ class ModelIndex:
         modules: dict[int, tuple[weakref.ref, str]] = {}
         containers: list[weakref.ref] = []
         journals = routing.live_journals(routing.PROCESS)
-        has_meta = False
         struct = state.process.structure
         if model is not None:
             visitors = list(hooks.module_visitors.values())
@@ -86,32 +85,15 @@ class ModelIndex:
             for mod_name, mod in model.named_modules(remove_duplicate=True):
                 for visit in visitors:
                     visit(mod, mod_name)  # e.g. transformed parameters (rule 10): recognise a parametrization's outputs
-                prefix = f"{mod_name}." if mod_name else ""
                 mref = weakref.ref(mod)
                 modules[id(mod)] = (mref, mod_name)
-                watched.add(mod)
+                watched.add(mod)  # (its registrations tell the index to look again: refresh)
                 if mod._modules:
                     containers.append(mref)
                 if mod._buffers or mod._parameters:
                     guards.guard_module(mod)  # state_dict() saves stored values inside a step
-                for kind, table in (("parameter", mod._parameters), ("buffer", mod._buffers)):
-                    for attr, t in table.items():
-                        if journals and t is not None and kind == "buffer":
-                            found = routing.stored_of(t, journals)
-                            if found is not None and found[1] is table:
-                                t = found[0]  # (the slot shows its pending value)
-                        if t is not None and id(t) not in by_id:
-                            if kind == "parameter" and type(t) is nn.Parameter:
-                                _keep_type(t, prefix + attr, self.by_id)
-                            shows = overlay.shows_through(t, kind)
-                            slots = mod._buffers if shows == overlay.BUFFER else None
-                            by_id[id(t)] = info = TargetInfo(
-                                weakref.ref(t), prefix + attr, mref, attr, kind, shows, slots, sharding.is_sharded(t)
-                            )
-                            if shows == overlay.PARAM:
-                                info.kept = (type(t), t.auxiliary, t.weight_decay)
-                            if t.is_meta:
-                                has_meta = True
+                    self._index_tensors(mod, mod_name, mref, journals, by_id)
+        has_meta = any(info.meta for info in by_id.values())
         old = self.by_id
         if by_id.keys() != old.keys() or any(
             old[k].ref() is not v.ref() or old[k].name != v.name for k, v in by_id.items()
@@ -120,9 +102,41 @@ class ModelIndex:
         self.by_id = by_id
         self.modules = modules
         self.has_meta = has_meta  # some tensor is on the meta device (no values: nothing to step)
-
         self._containers = containers
         self._shape_key = (struct, _sizes(containers))
+
+    def _index_tensors(
+        self, mod: nn.Module, mod_name: str, mref: weakref.ref, journals: list, by_id: dict[int, TargetInfo]
+    ) -> None:
+        """Add the parameters and buffers of ``mod`` (named ``mod_name`` in the model) to ``by_id``: the
+        stored tensor behind a buffer slot that shows a pending value (rule 1), a ``pu.Parameter`` that
+        torch re-created as a plain one made one again (:func:`_keep_type`)."""
+        prefix = f"{mod_name}." if mod_name else ""
+        for kind, table in (("parameter", mod._parameters), ("buffer", mod._buffers)):
+            for attr, t in table.items():
+                if journals and t is not None and kind == "buffer":
+                    found = routing.stored_of(t, journals)
+                    if found is not None and found[1] is table:
+                        t = found[0]  # (the slot shows its pending value)
+                if t is None or id(t) in by_id:
+                    continue
+                if kind == "parameter" and type(t) is nn.Parameter:
+                    _keep_type(t, prefix + attr, self.by_id)
+                shows = overlay.shows_through(t, kind)
+                slots = mod._buffers if shows == overlay.BUFFER else None
+                by_id[id(t)] = info = TargetInfo(
+                    weakref.ref(t),
+                    prefix + attr,
+                    mref,
+                    attr,
+                    kind,
+                    shows,
+                    slots,
+                    sharding.is_sharded(t),
+                    meta=t.is_meta,
+                )
+                if shows == overlay.PARAM:
+                    info.kept = (type(t), t.auxiliary, t.weight_decay)
 
     def refresh(self) -> None:
         """Rebuild if the model's structure may have changed since the last build: a module of an indexed

@@ -83,7 +83,14 @@ def issue(
     if j is not None and e is not None:
         j.record(e, op, operand, key, phase, sync, origin, fresh, how)
         return
-    pred = cond if isinstance(cond, torch.Tensor) else None  # None: unconditional
+    _apply_eagerly(op, target, operand, key, sync, cond if isinstance(cond, torch.Tensor) else None, origin)
+
+
+def _apply_eagerly(
+    op: str, target: torch.Tensor, operand: Any, key: Any, sync: str | None, pred: Any, origin: Any
+) -> None:
+    """Outside a step: eager, in place, under no_grad (rule 8), ``pred`` the ``pu.when`` condition
+    (``None``: unconditional); issued again by a checkpoint recomputation: only its view moves (rule 3)."""
     if _local.replay is not None:
         # Issued again by a checkpoint recomputation: the forward already applied it (replay, rule 3);
         # only the recomputation's own view moves.

@@ -679,26 +679,9 @@ class Commit:
     # ------------------------------------------------------------------
     def run_phase(self, phase: str) -> None:
         """Apply one phase: its declared rules, then its recorded updates (see the module docstring)."""
-        rb = self.rollback
-        rules = self._phase_rules.get(phase)
-        j = self.journal
-        if rules:
-            ctx = self._context()
-            # what a rule writes is listed only where it is needed: to copy it first (rollback), or to
-            # classify recorded updates of a later phase (no Python work per tensor otherwise)
-            copies = rb.enabled and rb.fallible_left > 0  # (Rollback.needs_copies)
-            listed = copies or bool(j.entries)
-            with no_grad():
-                for rule in rules:
-                    if listed:
-                        written = rule.tensors()
-                        if copies:
-                            rb.protect(written)
-                        self._dirty_pending.append(written)
-                    rule.apply(ctx)
-                    rb.applied(rule)
-                    self._applied.append(rule)
-                    rb.fallible_left -= not rule.infallible  # (Rollback.stage_done)
+        rb, j = self.rollback, self.journal
+        if rules := self._phase_rules.get(phase):
+            self._apply_rules(rules)
         in_phase = j.by_phase.get(phase, ())
         rows = phase == AUXILIARY and j.rows
         if not in_phase and not rows:
@@ -753,6 +736,26 @@ class Commit:
         dirty.update(map(id, in_phase))  # (ids of entries, not targets: see _flush_dirty)
         j.done_phases.add(phase)
         self._applied.append(f"the {phase} updates")
+
+    def _apply_rules(self, rules: list[Rule]) -> None:
+        """Apply a phase's declared rules, in declaration order (their checks ran before any write). What a
+        rule writes is listed only where it is needed: to copy it first (rollback), or to classify the
+        recorded updates of a later phase (no Python work per tensor otherwise)."""
+        rb = self.rollback
+        ctx = self._context()
+        copies = rb.enabled and rb.fallible_left > 0  # (Rollback.needs_copies)
+        listed = copies or bool(self.journal.entries)
+        with no_grad():
+            for rule in rules:
+                if listed:
+                    written = rule.tensors()
+                    if copies:
+                        rb.protect(written)
+                    self._dirty_pending.append(written)
+                rule.apply(ctx)
+                rb.applied(rule)
+                self._applied.append(rule)
+                rb.fallible_left -= not rule.infallible  # (Rollback.stage_done)
 
     def _flush_dirty(self) -> None:
         """Add the entries whose targets the rules so far wrote to ``_dirty`` (as the ids of the entries)."""

@@ -114,15 +114,6 @@ class UpdateSafeBatchNorm:
             assign(self.num_batches_tracked, 0)
 
     # ------------------------------------------------------------------
-    def _call_site(self) -> Origin | None:
-        """The origin of the statistics: the user's line that called this module (the frames of
-        ``pu.nn`` and ``torch.nn`` between are skipped; one frame walk per call, the verdict per file
-        cached), naming what it updates (``Origin.by``). ``None`` while dynamo traces: the
-        tracing support gives the same line as a trace-time constant."""
-        if torch.compiler.is_compiling():
-            return None
-        return capture(3, False, _updated_by(type(self)))  # type: ignore[return-value]  # (an Origin eagerly)
-
     def _train_with_stats(self, input: Tensor, origin: Origin | str | None = None) -> Tensor:
         """Normalize with the batch statistics and issue the three running-statistics updates
         (``origin``: the call site they show, if the caller knows it; else the caller's line)."""
@@ -211,7 +202,11 @@ class UpdateSafeBatchNorm:
         if self.training and self.track_running_stats:
             if _nothing_records() and not (self.sync_stats and hooks.sync_active()):
                 return self._eager_in_place(input)
-            return self._train_with_stats(input, self._call_site())
+            # the statistics' origin: the user's line that called this module (the frames of pu.nn and torch.nn
+            # between are skipped; the verdict per file cached), naming what it updates (Origin.by); while
+            # dynamo traces, the tracing support gives that line as a trace-time constant
+            origin = None if torch.compiler.is_compiling() else capture(2, False, _updated_by(type(self)))
+            return self._train_with_stats(input, origin)
         # train mode without tracking, or eval mode: nothing is updated
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
         use_buffers = not self.training

@@ -423,14 +423,14 @@ def _take_rules(index: ModelIndex) -> None:
     unbound = 0
     for r in state.process.rules:
         root = r.root()
-        if root is None:
-            unbound += 1
         inside = root is not None and index.module_name(root) is not None
         if not inside and not any(id(t) in held for t in r.owner_tensors()):
+            unbound += root is None
             continue  # another model's rule, or bare tensors this model does not hold
         r.resync()
-        r.adopt(index)
+        r.adopt(index)  # (bare tensors this model holds: followed by name in it from now on)
         out.append(r)
+        unbound += r.root() is None
     state.process.unbound = unbound
     index.rules = sorted(out, key=_seq)
     index.rules_key = (state.process.rules_version, index.generation)

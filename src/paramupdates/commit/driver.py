@@ -321,13 +321,12 @@ class Commit:
         together (one small all-reduce, unless the sync carried it), and no write may go into a
         parameter whose memory FSDP has freed."""
         j = self.journal
-        support = hooks.sharding_support()
-        if support is None or not (j.entries or j.rows) or not support.model_sharded(j.index):
+        if not (j.entries or j.rows) or not self._model_sharded():
             return remote_bad
         self._guard_storage()
         if self.options.checks_finite and not agreed:
             ok = finite_flag(pending_values(j), sharded, self._rows_grouped(), grads)
-            remote_bad = support.agree_nonfinite(self, ok is not None and not bool(ok))
+            remote_bad = hooks.sharding_support().agree_nonfinite(self, ok is not None and not bool(ok))  # type: ignore[union-attr]
         return remote_bad
 
     def _decide_finite(

@@ -35,7 +35,7 @@ from ..errors import UpdateError, listed
 from ..origin import call_site
 from ..phases import BEFORE_GRAD
 from ..schedule import ScheduleEntry
-from .common import has_subclass, storage_key
+from .common import has_subclass, storage_key, stored_named
 
 if TYPE_CHECKING:
     from ..targets import ModelIndex
@@ -440,8 +440,6 @@ def _tensor_ids(model: Any) -> set[int]:
     """``id()`` of every parameter and buffer ``model`` holds now (stored tensors, not pending values)."""
     if model is None:
         return set()
-    from .common import stored_named  # (common imports the registry's callers: no cycle at import)
-
     return {id(t) for kind in ("parameters", "buffers") for _, t in stored_named(model, kind)}
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from . import state
+from . import hooks, state
 from .lookup import EAGER, Lookup
 from .records import Entry, JournalLike, OwnerLike
 
@@ -81,9 +81,17 @@ def anything_open() -> bool:
 
 
 def nothing_records() -> bool:
-    """Whether no update issued now by this thread could be recorded or replayed: no step, no
-    attachment, no recomputation, no checkpointed segment's forward (it would apply eagerly)."""
-    return not (_local.explicit or _process.attachments or _local.replay is not None or _local.eager_log is not None)
+    """Whether an update issued now by this thread would simply apply in place (rule 8): no step, no
+    attachment, no recomputation, no checkpointed segment's forward, no ``pu.when`` condition, no
+    ``torch.func`` transform and no compilation is in force (``pu.nn``'s batch norm then lets torch's
+    kernel update its statistics in place, as eager ``assign`` would; asked at every call)."""
+    if _local.explicit or _process.attachments or _local.replay is not None or _local.eager_log is not None:
+        return False
+    if _local.conditions[-1] is not None or torch.compiler.is_compiling():
+        return False
+    if torch._C._functorch.maybe_current_level() is not None:
+        return False
+    return not (hooks.saved_tensors_hooks(True) and hooks.in_segment())
 
 
 # --- opening and closing ----------------------------------------------------------------------------------
@@ -113,11 +121,6 @@ def remove_attachment(att: OwnerLike) -> None:
 def prune_attachments() -> None:
     """Drop every attachment whose model or optimizer was collected."""
     _process.attachments[:] = [a for a in _process.attachments if a.model is not None and a.optimizer is not None]
-
-
-def running_commits() -> list[Any]:
-    """The commits of this thread running ``optimizer.step()``."""
-    return _local.committing
 
 
 # --- routing an update ------------------------------------------------------------------------------------

@@ -493,7 +493,7 @@ class Commit:
                 self.rollback.protect_optimizer(opt, all_params=closure is not None)
             self.optimizer_starting()
             scaler = self._scaler() if self.scaler is not None else None
-            running = state.local.committing  # (routing.running_commits)
+            running = state.local.committing  # (the commits of this thread running optimizer.step())
             running.append(self)  # this commit runs opt.step(): an attachment on that optimizer stands aside
             try:
                 if scaler is not None:  # (no closure: refused with a scaler)
@@ -536,7 +536,7 @@ class Commit:
         if self.rules or self._lent_flag is not None:
             self._optimizer_done()
         if self.optimizer is not None:
-            self.rollback.fallible_left -= 1  # (the optimizer's step was a fallible stage: Rollback.stage_done)
+            self.rollback.stage_done(True)
         self.journal.done_phases.add(GRAD)
         self.state = "stepped"
 
@@ -742,7 +742,7 @@ class Commit:
         recorded updates of a later phase (no Python work per tensor otherwise)."""
         rb = self.rollback
         ctx = self._context()
-        copies = rb.enabled and rb.fallible_left > 0  # (Rollback.needs_copies)
+        copies = rb.needs_copies()
         listed = copies or bool(self.journal.entries)
         with no_grad():
             for rule in rules:
@@ -754,7 +754,7 @@ class Commit:
                 rule.apply(ctx)
                 rb.applied(rule)
                 self._applied.append(rule)
-                rb.fallible_left -= not rule.infallible  # (Rollback.stage_done)
+                rb.stage_done(not rule.infallible)
 
     def _flush_dirty(self) -> None:
         """Add the entries whose targets the rules so far wrote to ``_dirty`` (as the ids of the entries)."""

@@ -47,27 +47,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import hooks, state
+from .. import hooks, routing
 from ..conditions import current as current_condition
 from ..origin import Origin, capture
 from ..updates import assign, issue_computed
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "UpdateSafeBatchNorm"]
-
-
-_local, _process = state.local, state.process
-
-
-def _nothing_records() -> bool:
-    """True when an update issued now would simply apply in place: no step, attachment,
-    condition, checkpoint segment, recomputation, transform or compilation is active."""
-    if _local.explicit or _process.attachments or _local.replay is not None or _local.eager_log is not None:
-        return False  # (routing.nothing_records, inlined: a batch norm asks it at every call)
-    if current_condition() is not None or torch.compiler.is_compiling():
-        return False
-    if torch._C._functorch.maybe_current_level() is not None:
-        return False
-    return not (hooks.saved_tensors_hooks(True) and hooks.in_segment())
 
 
 @functools.cache
@@ -200,7 +185,7 @@ class UpdateSafeBatchNorm:
         """As ``torch.nn.BatchNorm*d.forward``; running statistics change through assign."""
         self._check_input_dim(input)  # type: ignore[attr-defined]
         if self.training and self.track_running_stats:
-            if _nothing_records() and not (self.sync_stats and hooks.sync_active()):
+            if routing.nothing_records() and not (self.sync_stats and hooks.sync_active()):
                 return self._eager_in_place(input)
             # the statistics' origin: the user's line that called this module (the frames of pu.nn and torch.nn
             # between are skipped; the verdict per file cached), naming what it updates (Origin.by); while

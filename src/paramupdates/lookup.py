@@ -48,13 +48,6 @@ class Lookup:
             return e
         return None
 
-    def in_rows(self, j: Any, t: torch.Tensor) -> bool:
-        """Whether ``t`` is the target or the pending value of one of ``j``'s rows."""
-        if j.row_ids_stale:
-            j.rebuild_row_ids()
-        i = j.row_ids.get(id(t))
-        return i is not None and j.rows[i].index(t) >= 0
-
     def in_optimizer(self, j: Any, t: torch.Tensor) -> bool:
         """Whether ``t`` is one of the parameters of ``j``'s optimizer."""
         return id(t) in j.opt_ids()
@@ -64,10 +57,6 @@ class Lookup:
         if old is not None:
             j.aliases.pop(id(old), None)
         j.aliases[id(new)] = e
-
-    def rowed(self, j: Any, t: torch.Tensor, new: torch.Tensor, i: int) -> None:
-        """A row ``i`` for target ``t`` with pending value ``new`` was added to ``j``."""
-        j.row_ids[id(t)] = j.row_ids[id(new)] = i
 
     reuses = True
     """Whether entries of earlier steps are reused, and plain views of targets made at once."""
@@ -88,9 +77,6 @@ class Traced(Lookup):
                 return e
         return None
 
-    def in_rows(self, j: Any, t: torch.Tensor) -> bool:
-        return any(row.index(t) >= 0 for row in j.rows)
-
     def in_optimizer(self, j: Any, t: torch.Tensor) -> bool:
         support = hooks.tracing()
         if support is not None:
@@ -99,9 +85,6 @@ class Traced(Lookup):
 
     def valued(self, j: Any, e: Entry, old: torch.Tensor | None, new: torch.Tensor) -> None:
         j.aliases_stale = True
-
-    def rowed(self, j: Any, t: torch.Tensor, new: torch.Tensor, i: int) -> None:
-        j.row_ids_stale = True
 
     reuses = False
 

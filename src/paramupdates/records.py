@@ -2,13 +2,10 @@
 
 * :class:`TargetInfo`: where a tensor lives in a model (its qualified name, owning module,
   attribute, how a read sees its pending value);
-* :class:`Record`: one issued update (op, operand, condition, phase, sync, call site);
-* :class:`Entry`: a target with pending updates in one journal (its records, its pending value);
-* :class:`Row`: the auxiliary updates of one module call whose values the module computed
-  (``pu.nn``'s statistics: a batch norm's three) of targets with nothing else pending: one object
-  for all of them, instead of an entry and a record each;
-* :class:`Issued`: an issued update in a journal's issue order. The order's items are those and
-  rows: what ``schedule()`` shows.
+* :class:`Record`: one call that issued updates (one per target it updates: ``pu.assign`` one, a
+  batch norm's call three), with their condition, phase, sync and call site; a journal's issue
+  order is its records;
+* :class:`Entry`: a target with pending updates in one journal (its records, its pending value).
 
 And the seams between the core's modules, as Protocols (:class:`JournalLike`,
 :class:`OwnerLike`, :class:`RuleLike`, :class:`CommitLike`, :class:`IndexLike`,
@@ -25,8 +22,6 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-
-from .phases import AUXILIARY
 
 
 @dataclass(eq=False, slots=True)
@@ -55,11 +50,20 @@ class TargetInfo:
 
 @dataclass(eq=False, slots=True)
 class Record:
-    """One issued update."""
+    """One call that issued updates: the ``k``-th folds ``ops[k]`` with ``operands[k]`` into the pending
+    value of ``entries[k]``'s target. ``pu.assign`` & co. issue one update per call; a ``pu.nn`` module's
+    call issues one per statistic it computed (a batch norm's three), under one condition, phase,
+    sync and call site.
 
-    op: str
-    operand: Any
-    key: Any
+    The journal's issue order is a list of records (what ``schedule()`` shows), and each entry lists
+    its records. When the step is over (``Journal.close``) a record drops its operands (the schedule
+    shows the op, the condition and the origin).
+    """
+
+    entries: list[Entry]
+    ops: list[str]
+    operands: list[Any] | None
+    key: Any  # pu.assign_key's key (a single update)
     cond: torch.Tensor | None
     phase: str
     sync: str | None
@@ -68,7 +72,7 @@ class Record:
 
 @dataclass(eq=False, slots=True)
 class Entry:
-    """A target with pending updates in one journal."""
+    """A target with pending updates in one journal: its records (in issue order) and its pending value."""
 
     target: torch.Tensor
     name: str
@@ -89,52 +93,6 @@ class Entry:
 
     def current(self) -> torch.Tensor:
         return self.target if self.value is None else self.value
-
-
-@dataclass(eq=False, slots=True)
-class Row:
-    """The auxiliary updates of one module call whose values the module computed (``pu.nn``'s
-    statistics), of targets with nothing else pending: the ``k``-th update writes ``values[k]``
-    into ``targets[k]`` (``infos[k]`` says where it lives), shown by the schedule as ``ops[k]``.
-
-    It is its own item in the journal's issue order. When the step is over (``Journal.close``)
-    it drops its tensors but the condition, as a :class:`Record` does: the schedule reads the
-    infos' names, the ops, the condition and the origin.
-    """
-
-    targets: list[torch.Tensor] | None
-    infos: list[TargetInfo]
-    ops: list[str]
-    operands: list[Any] | None
-    values: list[torch.Tensor] | None  # the pending values
-    cond: torch.Tensor | None
-    origin: Any
-
-    @property
-    def phase(self) -> str:
-        return AUXILIARY
-
-    def index(self, t: torch.Tensor) -> int:
-        """``k`` where ``t`` is ``targets[k]`` or ``values[k]`` (-1 if neither)."""
-        for k, x in enumerate(self.targets or ()):
-            if x is t:
-                return k
-        for k, v in enumerate(self.values or ()):
-            if v is t:
-                return k
-        return -1
-
-
-@dataclass(eq=False, slots=True)
-class Issued:
-    """An issued update in a journal's issue order: its entry and its record."""
-
-    entry: Entry
-    record: Record
-
-    @property
-    def phase(self) -> str:
-        return self.record.phase
 
 
 # --- the seams, as Protocols --------------------------------------------------------------------------
@@ -162,7 +120,6 @@ class JournalLike(Protocol):
     optimizer: Any
     label: str
     entries: dict[int, Entry]
-    rows: list[Row]
 
     def find(self, t: torch.Tensor, create: bool = ..., how: Any = ...) -> Entry | None: ...
     def holds(self, t: torch.Tensor) -> bool: ...
@@ -170,7 +127,6 @@ class JournalLike(Protocol):
     def pending_names(self) -> list[str]: ...
     def pending_name_of(self, t: torch.Tensor) -> str | None: ...
     def current_of(self, e: Entry) -> torch.Tensor: ...
-    def absorb(self, how: Any = ...) -> None: ...
     def discard(self) -> None: ...
 
 

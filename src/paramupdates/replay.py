@@ -45,7 +45,6 @@ def entry_values() -> EntryValues:
     """What every live journal shows for its targets now (references, no copies)."""
     snap: EntryValues = {}
     for j in routing.live_journals(routing.THREAD):
-        j.absorb()  # rows become entries: the replay shows entries
         for e in j.entries.values():
             v = j.current_of(e)
             if v is not e.target:

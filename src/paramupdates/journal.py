@@ -44,7 +44,6 @@ from .targets import ModelIndex
 
 _graph_task_id = torch._C._current_graph_task_id
 _params_of = operator.itemgetter("params")
-_op_of, _operand_of = operator.itemgetter(1), operator.itemgetter(2)  # of an update (target, op, operand, new value)
 _saved_hooks = hooks.saved_tensors_hooks  # (falsy: no checkpointed segment's forward is running)
 _local = state.local  # this thread's steps, conditions and replay (one attribute look-up less per update)
 _data_ptr = torch._C.TensorBase.data_ptr
@@ -426,15 +425,17 @@ class Journal:
         cond = _local.conditions[-1]
         pred = cond if isinstance(cond, torch.Tensor) else None
         inference = not how.traced and torch.is_inference_mode_enabled()
-        rec = Record(
-            entries, list(map(_op_of, updates)), list(map(_operand_of, updates)), None, pred, AUXILIARY, None, origin
-        )
+        ops: list[str] = []
+        operands: list[Any] = []
+        rec = Record(entries, ops, operands, None, pred, AUXILIARY, None, origin)
         self.order.append(rec)
         bucket = self.by_phase.get(AUXILIARY)
         if bucket is None:
             bucket = self.by_phase[AUXILIARY] = []
         aliases = None if how.traced else self.aliases  # (eager: Lookup.valued, inlined)
-        for e, (_t, _op, _operand, new) in zip(entries, updates):
+        for e, (_t, op, operand, new) in zip(entries, updates):
+            ops.append(op)
+            operands.append(operand)
             if new.requires_grad:
                 new = new.detach()
             old = e.value

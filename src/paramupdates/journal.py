@@ -89,6 +89,9 @@ class Journal:
         self.aliases_stale = False  # set when a compiled graph installed pending values
         self.order: list[Record] = []  # issue order: what the schedule shows
         self.by_phase: dict[str, list[Entry]] = {}  # phase -> the entries with records in it
+        # the phases with an entry whose pending value the commit may not take as is (a target with records
+        # in several phases, or a trainable one, which the optimizer writes): those fold per entry
+        self.mixed: set[str] = set()
         self.synced: list[Entry] = []  # the entries with a sync= update (distributed sync, rule 9)
         self.shown = False  # some pending value is shown (hide() has something to do)
         self.any_sharded = False  # some entry's target is a DTensor (its values are checked through local shards)
@@ -447,6 +450,8 @@ class Journal:
             if AUXILIARY not in e.phases:
                 e.phases.add(AUXILIARY)
                 bucket.append(e)
+                if len(e.phases) > 1:
+                    self.mixed.update(e.phases)
             e.value = new
             if aliases is None:
                 self.aliases_stale = True
@@ -476,6 +481,8 @@ class Journal:
             if bucket is None:
                 bucket = self.by_phase[phase] = []
             bucket.append(e)  # (no id() of an entry: dynamo cannot replay the id of an object it made)
+            if e.trainable or len(e.phases) > 1:
+                self.mixed.update(e.phases)
         if sync is not None and e.sync is None:
             e.sync = sync
             self.synced.append(e)

@@ -660,24 +660,27 @@ class Commit:
         if not in_phase:
             j.done_phases.add(phase)
             return
-        fast_dst: list[torch.Tensor] = []
-        fast_src: list[torch.Tensor] = []
-        slow: list[Entry] = []
         if self._dirty_pending:
             self._flush_dirty()
         dirty = self._dirty
-        later = phase != BEFORE_GRAD and GRAD in j.done_phases  # the optimizer may have written trainables
-        for e in in_phase:
-            # A target updated in this phase alone, that nothing wrote before, takes its pending value
-            # as is. (A synced target, rule 9, commits its reduced value: it has one phase, is not
-            # trainable and no rule writes it, as checked before.)
-            if e.sync is not None or (
-                len(e.phases) == 1 and not (dirty and id(e) in dirty) and not (later and e.trainable)
-            ):
-                fast_dst.append(e.raw if e.raw is not None else _raw(e))
-                fast_src.append(sharding.local(e.value) if e.sharded else e.value)  # type: ignore[arg-type]
-            else:
-                slow.append(e)
+        slow: list[Entry] = []
+        if not dirty and phase not in j.mixed and not j.any_sharded:  # every target takes its pending value
+            fast_dst = [e.raw if e.raw is not None else _raw(e) for e in in_phase]
+            fast_src: list[torch.Tensor] = [e.value for e in in_phase]  # type: ignore[misc]
+        else:
+            fast_dst, fast_src = [], []
+            later = phase != BEFORE_GRAD and GRAD in j.done_phases  # the optimizer may have written trainables
+            for e in in_phase:
+                # A target updated in this phase alone, that nothing wrote before, takes its pending value
+                # as is. (A synced target, rule 9, commits its reduced value: it has one phase, is not
+                # trainable and no rule writes it, as checked before.)
+                if e.sync is not None or (
+                    len(e.phases) == 1 and not (dirty and id(e) in dirty) and not (later and e.trainable)
+                ):
+                    fast_dst.append(e.raw if e.raw is not None else _raw(e))
+                    fast_src.append(sharding.local(e.value) if e.sharded else e.value)  # type: ignore[arg-type]
+                else:
+                    slow.append(e)
         if rb.enabled:
             rb.protect(fast_dst + [_raw(e) for e in slow])
         ok = self.ok

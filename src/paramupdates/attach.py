@@ -137,7 +137,7 @@ class Attachment(Owner):
         ``.flush()``, ``.schedule()``."""
         for att in routing.attachments():
             if att.model is model:
-                return att  # type: ignore[return-value]
+                return att
         return None
 
     def _refuse_overlap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -158,7 +158,7 @@ class Attachment(Owner):
                     "the submodule it steps, e.g. pu.attach(model.encoder, opt_enc) and "
                     "pu.attach(model.decoder, opt_dec), or give one optimizer param groups.)"
                 )
-            nested = _nesting(model, self.index, other)  # type: ignore[arg-type]
+            nested = _nesting(model, self.index, other)
             if nested is None:
                 self._refuse_shared(other)  # (disjoint models that share a module)
                 continue
@@ -200,7 +200,7 @@ class Attachment(Owner):
         for other in routing.attachments():
             if other.model is not None and other.index is not self.index:  # (one attachment per model)
                 other.index.refresh()
-                self._refuse_shared(other)  # type: ignore[arg-type]
+                self._refuse_shared(other)
         self._structure = now
 
     # optimizer.step on the instance ----------------------------------------
@@ -637,11 +637,9 @@ def _overlapping(model: nn.Module, index: ModelIndex) -> list[Attachment]:
     """The live attachments of ``model``, of a module inside it, of one around it, or of a model that
     holds some of the same tensors (one encoder shared by two task models)."""
     return [
-        other  # type: ignore[misc]
+        other
         for other in routing.attachments()
-        if other.model is model
-        or _nesting(model, index, other) is not None  # type: ignore[arg-type]
-        or shared_names(index, other.index)
+        if other.model is model or _nesting(model, index, other) is not None or shared_names(index, other.index)
     ]
 
 
@@ -676,4 +674,4 @@ def _warn_pending(att: Attachment, why: str) -> None:
 def _warn_pending_at_exit() -> None:
     """At interpreter exit: warn for every attachment whose updates are still pending."""
     for att in list(routing.attachments()):
-        _warn_pending(att, "the process exits")  # type: ignore[arg-type]
+        _warn_pending(att, "the process exits")

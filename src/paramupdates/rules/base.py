@@ -182,6 +182,17 @@ class Rule:
         """The module whose tensors the rule follows by name (``None``: none)."""
         return None
 
+    def lost_error(self, model: str, lost: list[str]) -> UpdateError:
+        """The error of a commit of ``model`` (its class name) that this rule cannot follow: ``lost`` are the
+        covered names the model no longer has (:meth:`lost_names`)."""
+        shown = listed(list(map(repr, lost)), 4)
+        return UpdateError(
+            f"{self.describe()} declared at {self.origin} covers {shown}, which {model} no longer has under that "
+            "name (a layer removed or renamed after the declaration, a wrapper put in its place, a parametrization "
+            "registered on it). Nothing of this step was written. Declare the rule again on the model as it is "
+            f"now (the same call), or undeclare it: {self.how_to_remove()}."
+        )
+
     def rebase(self, old: Any, parent: Any, name: str) -> None:
         """The module the rule follows its tensors in (``old``) is being replaced in ``parent`` under
         ``name``: follow them under the module that takes its place. Default: nothing (held by identity)."""
@@ -468,19 +479,7 @@ def _refuse_lost(index: ModelIndex) -> None:
     for r in index.rules:
         lost = r.lost_names()
         if lost and not r.removed:
-            raise lost_error(r, type(model).__name__, lost)
-
-
-def lost_error(rule: Rule, model: str, lost: list[str]) -> UpdateError:
-    """The error of a commit of ``model`` (its class name) that ``rule`` cannot follow: ``lost`` are the
-    covered names the model no longer has."""
-    shown = listed(list(map(repr, lost)), 4)
-    return UpdateError(
-        f"{rule.describe()} declared at {rule.origin} covers {shown}, which {model} no longer has under that "
-        "name (a layer removed or renamed after the declaration, a wrapper put in its place, a parametrization "
-        "registered on it). Nothing of this step was written. Declare the rule again on the model as it is now "
-        f"(the same call), or undeclare it: {rule.how_to_remove()}."
-    )
+            raise r.lost_error(type(model).__name__, lost)
 
 
 def _unbound_rules(index: ModelIndex, optimizer: Any) -> list[Rule]:

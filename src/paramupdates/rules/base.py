@@ -8,15 +8,22 @@ phase, rules run in declaration order, before the updates issued during the
 step (the commit's fixed phase order: ``before_grad``, the optimizer's step, ``after_grad``, the
 auxiliary updates, ``after_step``).
 
-Caching, one boundary each (the rows of ``benchmarks/rules.py`` they were kept for):
+What is kept between commits, each on the model it belongs to, each with one key:
 
-* each rule caches its *plan* (grouping, factors, pairs) inside
-  :meth:`Rule.check`, rebuilt only when what it depends on changed;
-* :class:`RuleSet`, per model and optimizer, caches which rules apply to the
-  model and re-checks all their plans in one pass over the storage of
-  their tensors (:meth:`Rule.fingerprint` / :meth:`Rule.revalidate`) instead of one
-  full check per rule: ``benchmarks/rules.py``, part A "tiny", pu / foreach
-  (five to six passes over per-tensor metadata per commit otherwise).
+* which rules apply to the model: ``index.rules`` on its :class:`~paramupdates.targets.ModelIndex`,
+  keyed by ``(rules_version, generation)`` (:func:`rules_for`);
+* per model and optimizer (``ModelIndex.caches_for``), :class:`RuleSet`: what the last full check
+  of those rules saw, re-checked in one pass over the storage of their tensors
+  (:meth:`Rule.fingerprint` / :meth:`Rule.revalidate`) instead of one full check per rule, keyed by
+  the rules' key above: ``benchmarks/rules.py``, part A "tiny", pu / foreach (five to six passes
+  over per-tensor metadata per commit otherwise);
+* under it, each declared rule's *plan* (grouping, pairs, factors: one protocol for every built-in
+  rule, ``rules/declared.py``), made again at a full check only where its own key (its tensors'
+  storage and :meth:`~paramupdates.rules.declared.DeclaredRule.plan_key`) changed: a change to one
+  rule, or to the model's structure, re-plans none of the others.
+
+What changes at every commit (a learning rate, an EMA's ``d_t``) is read at every commit
+(:meth:`~paramupdates.rules.declared.DeclaredRule.ready`, weight decay's ``Factors``), never keyed.
 """
 
 from __future__ import annotations
@@ -538,8 +545,10 @@ class RuleSet:
             self._record(rules, ctx)
 
     def _signature(self, rules: list[Rule], ctx: CommitContext) -> tuple[Any, ...]:
-        # (the rule set belongs to one model index and one optimizer: ``ModelIndex.caches_for``)
-        return (len(rules), ctx.index.generation, ctx.index.rules_key)
+        # (the rule set belongs to one model index and one optimizer: ``ModelIndex.caches_for``). The key of
+        # the index's rules, ``(rules_version, generation)``, as ``rules_for`` made them for this commit: not
+        # a second key of the model's structure
+        return (len(rules), ctx.index.rules_key)
 
     def _revalidate(self, rules: list[Rule], ctx: CommitContext) -> bool:
         if self._sig is None or self._sig != self._signature(rules, ctx):

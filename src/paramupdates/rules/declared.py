@@ -15,8 +15,8 @@ tested against each other (``tests/test_rule_paths.py``). :class:`DeclaredRule` 
 * revalidation: a commit whose model, tensors and plan key (:meth:`DeclaredRule.same_plan`) are those
   of the last full check reuses the plan and its arguments after one pass over the tensors' storage
   (``RuleSet``), with no Python work per tensor;
-* what is read at every commit, before anything is written (:meth:`DeclaredRule.ready`: a learning
-  rate's consequences, an EMA's ``d_t``), on both paths;
+* what is read or refused at every commit, before anything is written (:meth:`DeclaredRule.ready`:
+  weight decay's refusal of a double decay, an EMA's ``d_t``), on both paths;
 * the tensors held for one commit only (``_live``, ``_args``), released by every way out of it.
 
 A subclass sets ``phase``/``kind``, builds ``names`` and ``_tensors`` in ``__init__`` (through

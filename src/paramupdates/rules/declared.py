@@ -55,6 +55,8 @@ class DeclaredRule(OnTensorList, Rule):
         self._tensors = WeakList([t for _, t in named], root, self.names if root is not None else None)
         follow_in(self, root)
         self._sub = has_subclass([t for _, t in named])
+        # no plan_key of its own: the plan depends on the tensors' storage alone (no call per commit to ask)
+        self._storage_only = type(self).plan_key is DeclaredRule.plan_key
         self._key: tuple | None = None
         self.plan: Any = None
         self._live: list[Any] = []
@@ -72,7 +74,9 @@ class DeclaredRule(OnTensorList, Rule):
 
     def same_plan(self, ctx: CommitContext, live: list[Any]) -> bool:
         """Whether :meth:`plan_key` is that of the last full check (a subclass may compare cheaper)."""
-        return self._key is not None and self.plan_key(ctx, live) == self._key[0]
+        if self._key is None:
+            return False
+        return self._storage_only or self.plan_key(ctx, live) == self._key[0]
 
     def ready(self, ctx: CommitContext) -> None:
         """What this commit reads besides the plan, before anything is written (both paths): raise here

@@ -532,7 +532,8 @@ class EMA(DeclaredRule):
     def ready(self, ctx: CommitContext) -> None:
         """``1 - d_t`` for this commit (``t`` is read only where ``d_t`` depends on it: a warmup); a user
         warmup callable fails here, before anything is written."""
-        self._weight = 1.0 - (self.decay if self.gates else self.decay_at(self.updates))
+        w = self.warmup
+        self._weight = 1.0 - (self.decay if w is None or w is False else self.decay_at(self.updates))
 
     def run(self, ctx: CommitContext, live: list[Any], args: Any) -> None:
         ok = ctx.ok

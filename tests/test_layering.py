@@ -1,8 +1,12 @@
 """The core's layering (``docs/design.md``, "Architecture"): no import cycle among the modules of
-``src/paramupdates``, counting imports inside functions and under ``if TYPE_CHECKING:`` (a type a
-module needs from a higher one is a Protocol in ``records.py``), and nothing outside
-``integrations/`` imports from ``integrations/`` except the package's ``__init__.py`` and the
-frameworks' public import paths.
+``src/paramupdates`` in the *runtime* import graph (module-level imports and imports inside
+functions), and nothing outside ``integrations/`` imports from ``integrations/`` except the
+package's ``__init__.py`` and the frameworks' public import paths.
+
+An import under ``if TYPE_CHECKING:`` is for annotations only (every module has ``from __future__
+import annotations``: they are strings, never evaluated at run time), so it may close a cycle: a low
+module names a higher one's class in its annotations (``state.py``'s ``list[Attachment]``) by
+importing it there. It never runs, so it cannot make a module see another half-initialised.
 
 Imports are read from the AST of every module. Importing ``a.b.c`` executes the ``__init__`` of ``a.b`` too, so that counts
 as an import of ``a.b``, except from inside ``a.b`` itself (a package is initialised before its
@@ -20,17 +24,25 @@ SRC = Path(paramupdates.__file__).parent
 TOP = "paramupdates"
 
 
-def _module_name(path: Path) -> str:
-    rel = path.relative_to(SRC.parent).with_suffix("")
+def _module_name(path: Path, root: Path = SRC) -> str:
+    rel = path.relative_to(root.parent).with_suffix("")
     parts = list(rel.parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
-def _imports(path: Path, modules: set[str]) -> set[str]:
-    """The paramupdates modules that executing ``path`` may import (function-level included)."""
-    name = _module_name(path)
+def _type_checking(test: ast.expr) -> bool:
+    """Whether ``test`` (an ``if``'s) is ``TYPE_CHECKING`` or ``typing.TYPE_CHECKING``."""
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(path: Path, modules: set[str], types: bool = False, root: Path = SRC) -> set[str]:
+    """The paramupdates modules that executing ``path`` may import (function-level included); with
+    ``types``, also those imported under ``if TYPE_CHECKING:`` (for annotations only)."""
+    name = _module_name(path, root)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
 
@@ -47,6 +59,9 @@ def _imports(path: Path, modules: set[str]) -> set[str]:
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
+            if not types and isinstance(child, ast.If) and _type_checking(child.test):  # (its ``else:`` runs)
+                visit(ast.Module(body=child.orelse, type_ignores=[]))
+                continue
             if isinstance(child, ast.Import):
                 for a in child.names:
                     if a.name.startswith(TOP + "."):
@@ -69,10 +84,12 @@ def _imports(path: Path, modules: set[str]) -> set[str]:
     return found
 
 
-def _graph() -> dict[str, set[str]]:
-    paths = {_module_name(p): p for p in SRC.rglob("*.py")}
+def _graph(types: bool = False, root: Path = SRC) -> dict[str, set[str]]:
+    """The import graph of the package at ``root``: the runtime one, or with ``types`` the one that
+    counts the imports under ``if TYPE_CHECKING:`` too."""
+    paths = {_module_name(p, root): p for p in root.rglob("*.py")}
     modules = set(paths)
-    return {name: _imports(p, modules) for name, p in paths.items()}
+    return {name: _imports(p, modules, types, root) for name, p in paths.items()}
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -110,15 +127,38 @@ def test_the_graph_is_read():
     assert "paramupdates.journal" in g["paramupdates.updates"]
     assert "paramupdates.hooks" in g["paramupdates.integrations.checkpoint"]
     assert "paramupdates.integrations" in g[TOP]
-    assert "paramupdates.journal" in g["paramupdates.commit.driver"]  # a TYPE_CHECKING import counts too
+    assert "paramupdates.attach" in g["paramupdates.step"]  # an import inside a function counts
+    assert "paramupdates.attach" not in g["paramupdates.state"]  # one under TYPE_CHECKING does not
+    assert "paramupdates.attach" in _graph(types=True)["paramupdates.state"]  # (but is read)
 
 
 def test_no_import_cycle():
+    """No cycle in the runtime import graph (imports under ``if TYPE_CHECKING:`` may close one)."""
     assert _cycle(_graph()) is None, " -> ".join(_cycle(_graph()) or [])
 
 
 def test_cycle_finder_finds_a_cycle():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_a_runtime_cycle_fails_and_a_type_checking_one_does_not(tmp_path):
+    """The rule on a synthetic package: ``a`` imports ``b`` at module level; ``b`` imports ``a`` inside
+    a function (a cycle at run time), under ``if TYPE_CHECKING:`` (none), or in its ``else:`` (one)."""
+    pkg = tmp_path / TOP
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from . import b\n")
+    cycle = ["paramupdates.a", "paramupdates.b", "paramupdates.a"]
+    b_imports_a = {
+        "def f():\n    from .a import g\n": cycle,
+        "import typing\nif typing.TYPE_CHECKING:\n    from .a import g\n": None,
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import g\n": None,
+        "if TYPE_CHECKING:\n    pass\nelse:\n    from . import a\n": cycle,
+    }
+    for source, found in b_imports_a.items():
+        (pkg / "b.py").write_text(source)
+        assert _cycle(_graph(root=pkg)) == found, source
+        assert _cycle(_graph(types=True, root=pkg)) is not None, source  # (the imports are read)
 
 
 PUBLIC_PATHS = {f"{TOP}.lightning", f"{TOP}.returnn", f"{TOP}.transformers"}
@@ -128,7 +168,7 @@ PUBLIC_PATHS = {f"{TOP}.lightning", f"{TOP}.returnn", f"{TOP}.transformers"}
 def test_only_the_package_init_imports_integrations():
     offenders = {
         name: sorted(m for m in deps if m.startswith(f"{TOP}.integrations"))
-        for name, deps in _graph().items()
+        for name, deps in _graph(types=True).items()
         if not name.startswith(f"{TOP}.integrations") and name != TOP and name not in PUBLIC_PATHS
     }
     assert {k: v for k, v in offenders.items() if v} == {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import enum
 import functools
 import gc
 import types
@@ -30,6 +31,19 @@ from .options import StepOptions
 from .origin import call_site
 from .owner import Owner, check_arguments
 from .targets import ModelIndex, index_of
+
+
+class Stage(enum.Enum):
+    """Where an :class:`Attachment` is between two optimizer steps (see its docstring for the transitions)."""
+
+    IDLE = "idle"  # attached, no step open: ``journal`` and ``commit`` are None
+    RECORDING = "recording"  # a step is open: ``journal`` records its updates, ``commit`` is None
+    HOOK = "hook"  # our step pre- or post-hook is beginning or finishing ``commit`` (of ``journal``)
+    COMMITTING = "committing"  # between the hooks: the optimizer applies the gradients of ``commit``
+    DETACHED = "detached"  # the hooks are removed: ``journal`` and ``commit`` are None for good
+
+
+IDLE, RECORDING, HOOK, COMMITTING, DETACHED = Stage
 
 
 class Attachment(Owner):
@@ -65,6 +79,16 @@ class Attachment(Owner):
     invisible to the attachment: call :meth:`discard` in your ``except`` block to drop the updates
     recorded so far. (Should the class's ``step`` be called around the wrapper and raise, the next
     ``optimizer.step()``, :meth:`flush` or :meth:`state_dict` rolls it back, with a warning.)
+
+    Its state is one :class:`Stage` (``_stage``); ``journal`` and ``commit`` are what the stage says is
+    there. The transitions::
+
+        IDLE --an update (routing opens the journal)--> RECORDING
+        IDLE or RECORDING --optimizer.step()'s pre-hook--> HOOK --the hook returns--> COMMITTING
+        COMMITTING --the post-hook--> HOOK --the commit is finished--> IDLE
+        RECORDING --flush(), discard(), a step the scaler skips--> IDLE
+        HOOK or COMMITTING --an exception, discard(), a recovery--> IDLE
+        any --detach()--> DETACHED (final)
     """
 
     def __init__(
@@ -90,17 +114,16 @@ class Attachment(Owner):
         super().__init__(model, optimizer, options, weak=True)
         self.origin = call_site(2)
         self.label = f"pu.attach({type(model).__name__}) at {self.origin}"
+        self._stage = IDLE
         self.journal: Journal | None = None  # the step being recorded (or committed)
-        self.commit: Commit | None = None  # its commit, between the pre- and post-hook
+        self.commit: Commit | None = None  # its commit, from the pre-hook to the end of the post-hook
         self._refuse_overlap(model, optimizer)
         self._structure = state.process.structure  # (the model's sharing was checked as of this)
         self._pre = optimizer.register_step_pre_hook(self._pre_hook)
         self._post = optimizer.register_step_post_hook(self._post_hook)
-        self._calls = 0
-        self._step_calls = 0
-        self._nested = 0
-        self._hooks_running = False
-        self._detached = False
+        self._calls = 0  # optimizer.step() calls running through the wrapper (nested ones counted)
+        self._step_calls = 0  # (COMMITTING) ``_calls`` when the pre-hook began the commit
+        self._nested = 0  # (COMMITTING) nested optimizer steps inside the committing one (super().step())
         self._scaler_opt: Any = None  # the optimizer as given to the scaler's step, while it runs
         self._wrap_step(optimizer)
         self._scaler_fn = self._wrap_scaler(scaler) if scaler is not None else None
@@ -114,7 +137,7 @@ class Attachment(Owner):
         ``.flush()``, ``.schedule()``."""
         for att in routing.attachments():
             if att.model is model:
-                return att  # type: ignore[return-value]
+                return att
         return None
 
     def _refuse_overlap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -135,7 +158,7 @@ class Attachment(Owner):
                     "the submodule it steps, e.g. pu.attach(model.encoder, opt_enc) and "
                     "pu.attach(model.decoder, opt_dec), or give one optimizer param groups.)"
                 )
-            nested = _nesting(model, self.index, other)  # type: ignore[arg-type]
+            nested = _nesting(model, self.index, other)
             if nested is None:
                 self._refuse_shared(other)  # (disjoint models that share a module)
                 continue
@@ -177,7 +200,7 @@ class Attachment(Owner):
         for other in routing.attachments():
             if other.model is not None and other.index is not self.index:  # (one attachment per model)
                 other.index.refresh()
-                self._refuse_shared(other)  # type: ignore[arg-type]
+                self._refuse_shared(other)
         self._structure = now
 
     # optimizer.step on the instance ----------------------------------------
@@ -196,7 +219,7 @@ class Attachment(Owner):
         @functools.wraps(type(optimizer).step)
         def step(opt: Any, *args: Any, **kwargs: Any) -> Any:
             att = attachment()
-            if att is None or att._detached:
+            if att is None or att._stage is DETACHED:
                 return call_orig(opt, *args, **kwargs)
             return att._guarded_step(call_orig, opt, *args, **kwargs)
 
@@ -215,7 +238,7 @@ class Attachment(Owner):
             # Every way out of optimizer.step() ends the step: an exception of the optimizer or of
             # the commit (a commit is running), or of a step pre-hook that ran before ours (no
             # commit began: the pending updates are dropped all the same).
-            if self.commit is not None or (self.journal is not None and self._calls == 1):
+            if self._stage in (HOOK, COMMITTING) or (self._stage is RECORDING and self._calls == 1):
                 self._abort(exc)
             raise
         finally:
@@ -232,7 +255,7 @@ class Attachment(Owner):
         @functools.wraps(type(scaler).step)
         def step(sc: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
             att = attachment()
-            if att is None or att._detached or not att._steps(optimizer):
+            if att is None or att._stage is DETACHED or not att._steps(optimizer):
                 return call_orig(optimizer, *args, **kwargs)
             return att._scaler_step(call_orig, optimizer, *args, **kwargs)
 
@@ -262,7 +285,7 @@ class Attachment(Owner):
         if self._closed == closed:  # no commit ran: the scaler skipped optimizer.step()
             self._recover()
             c = self._commit(self.open_journal(), self.optimizer)
-            self.journal = None
+            self._idle()
             c.skip()
             self._committed(c)
         return out
@@ -281,12 +304,14 @@ class Attachment(Owner):
         """The journal of the step being recorded, opened now if none is."""
         if self.journal is None:
             self.journal = Journal(self.index, self.optimizer, self.label, self._reuse())
+            if self._stage is IDLE:
+                self._stage = RECORDING
         return self.journal
 
     # the commit ----------------------------------------------------------------
     def _recover(self) -> None:
         """Roll back a commit whose optimizer step raised (no post-hook came)."""
-        if self.commit is not None and not self._hooks_running and not self._inside_own_step():
+        if self._stage is COMMITTING and not self._inside_own_step():
             warnings.warn("pu.attach: the last optimizer.step() raised; its step was rolled back.", stacklevel=3)
             self._abort()
 
@@ -301,6 +326,12 @@ class Attachment(Owner):
         elif j is not None:
             j.discard()
             self._closed += 1  # closed before its commit began (which counts it)
+        self._idle()
+
+    def _idle(self) -> None:
+        """No step open any more (committed, skipped, dropped or rolled back): back to IDLE."""
+        if self._stage is not DETACHED:
+            self._stage = IDLE
         self.journal = None
         self.commit = None
         self._nested = 0
@@ -308,43 +339,54 @@ class Attachment(Owner):
     def _pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         if routing.committing_optimizer(optimizer) or self._model_ref.gone:
             return None
-        if self.commit is not None and not self._hooks_running and self._inside_own_step():
+        if self._stage is COMMITTING and self._inside_own_step():
             # A nested step: an optimizer subclass calling super().step(), whose
             # class is hooked too. Only the outermost call commits.
             self._nested += 1
             return None
         self._recover()  # the previous optimizer.step() raised, called around the wrapper
-        self.open_journal()
+        j = self.open_journal()
         try:
             self._refuse_shared_since_change()
         except UpdateError as exc:
             self._abort(exc)
             raise
-        c = self.commit = self._commit(self.journal, optimizer)
+        c = self.commit = self._commit(j, optimizer)
         self._step_calls = self._calls
-        self._hooks_running = True
+        self._stage = HOOK
         try:
-            # args[0] is the optimizer itself (torch's hook wrapper passes the bound call's args)
-            closure = kwargs.get("closure") if kwargs and "closure" in kwargs else (args[1] if len(args) > 1 else None)
-            if closure is not None:
-                c.rollback.protect_optimizer(optimizer, all_params=True)
-                c.optimizer_starting()
-                wrapped = c.wrap_closure(closure)
-                if kwargs and "closure" in kwargs:
-                    return args, {**kwargs, "closure": wrapped}
-                return (args[0], wrapped, *args[2:]), kwargs
-            if not c.begin():
-                c.hide_grads()  # skipped: the optimizer runs, but sees no gradients
-                return None
-            c.before_optimizer()
-            c.rollback.protect_optimizer(optimizer, all_params=False)
-            c.optimizer_starting()
+            return self._begin(c, optimizer, args, kwargs)
         except BaseException as exc:
             self._abort(exc)
             raise
         finally:
-            self._hooks_running = False
+            self._leave_hook()
+
+    @staticmethod
+    def _begin(c: Commit, optimizer: Any, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+        """The pre-hook's part of the commit: check and apply ``before_grad``, or (``optimizer.step(closure)``)
+        wrap the closure, which does that after its first call."""
+        # args[0] is the optimizer itself (torch's hook wrapper passes the bound call's args)
+        closure = kwargs.get("closure") if kwargs and "closure" in kwargs else (args[1] if len(args) > 1 else None)
+        if closure is not None:
+            c.rollback.protect_optimizer(optimizer, all_params=True)
+            c.optimizer_starting()
+            wrapped = c.wrap_closure(closure)
+            if kwargs and "closure" in kwargs:
+                return args, {**kwargs, "closure": wrapped}
+            return (args[0], wrapped, *args[2:]), kwargs
+        if not c.begin():
+            c.hide_grads()  # skipped: the optimizer runs, but sees no gradients
+            return None
+        c.before_optimizer()
+        c.rollback.protect_optimizer(optimizer, all_params=False)
+        c.optimizer_starting()
         return None
+
+    def _leave_hook(self) -> None:
+        """A hook returns or raises: back to COMMITTING, unless the step ended (IDLE) meanwhile."""
+        if self._stage is HOOK:
+            self._stage = COMMITTING
 
     def _post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if routing.committing_optimizer(optimizer) or self._model_ref.gone:
@@ -353,9 +395,9 @@ class Attachment(Owner):
             self._nested -= 1
             return
         c = self.commit
-        if c is None:
+        if self._stage is not COMMITTING or c is None:
             return
-        self._hooks_running = True
+        self._stage = HOOK
         try:
             if c.skipped:
                 c.restore_grads()
@@ -372,10 +414,9 @@ class Attachment(Owner):
             self._abort(exc)
             raise
         finally:
-            self._hooks_running = False
+            self._leave_hook()
         self._committed(c)
-        self.journal = None
-        self.commit = None
+        self._idle()
 
     # user controls ----------------------------------------------------------
     def flush(self) -> None:
@@ -389,7 +430,10 @@ class Attachment(Owner):
         except UpdateError as exc:
             self._abort(exc)
             raise
-        self.journal = None
+        if self._stage is RECORDING:
+            self._idle()
+        else:  # (inside optimizer.step(), an LBFGS closure: as before, the commit under way is left as it is)
+            self.journal = None
         c = self._commit(j, None)
         c.run()
         self._committed(c)
@@ -403,7 +447,7 @@ class Attachment(Owner):
         self._abort()
         self._pre.remove()
         self._post.remove()
-        self._detached = True
+        self._stage = DETACHED
         opt = self.optimizer
         opt_dict = opt.__dict__ if opt is not None else {}
         now = opt_dict.get("step")
@@ -441,6 +485,7 @@ class Attachment(Owner):
         if journal is not None:
             journal.label = self.label
             self.journal = journal
+            self._stage = RECORDING
 
     def _open_journal(self) -> Journal | None:
         return self.journal
@@ -592,11 +637,9 @@ def _overlapping(model: nn.Module, index: ModelIndex) -> list[Attachment]:
     """The live attachments of ``model``, of a module inside it, of one around it, or of a model that
     holds some of the same tensors (one encoder shared by two task models)."""
     return [
-        other  # type: ignore[misc]
+        other
         for other in routing.attachments()
-        if other.model is model
-        or _nesting(model, index, other) is not None  # type: ignore[arg-type]
-        or shared_names(index, other.index)
+        if other.model is model or _nesting(model, index, other) is not None or shared_names(index, other.index)
     ]
 
 
@@ -631,4 +674,4 @@ def _warn_pending(att: Attachment, why: str) -> None:
 def _warn_pending_at_exit() -> None:
     """At interpreter exit: warn for every attachment whose updates are still pending."""
     for att in list(routing.attachments()):
-        _warn_pending(att, "the process exits")  # type: ignore[arg-type]
+        _warn_pending(att, "the process exits")

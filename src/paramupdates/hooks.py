@@ -50,10 +50,10 @@ from .errors import UpdateError
 if TYPE_CHECKING:
     from torch import nn
 
-    from .records import CommitLike as Commit
-    from .records import EagerLogLike as EagerLog
+    from .commit.driver import Commit
+    from .journal import Journal
     from .records import Entry
-    from .records import JournalLike as Journal
+    from .replay import EagerLog
 
 
 # --- target resolvers (transformed parameters, rule 10) ---------------------------------------------

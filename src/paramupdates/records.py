@@ -7,21 +7,19 @@
   order is its records;
 * :class:`Entry`: a target with pending updates in one journal (its records, its pending value).
 
-And the seams between the core's modules, as Protocols (:class:`JournalLike`,
-:class:`OwnerLike`, :class:`RuleLike`, :class:`CommitLike`, :class:`IndexLike`,
-:class:`ReplayLike`, :class:`EagerLogLike`): a low module names what it needs of a higher one
-without importing it, so that the import graph has no cycle, ``TYPE_CHECKING`` imports
-included (``tests/test_layering.py``).
 """
 
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from .journal import Journal
 
 
 @dataclass(eq=False, slots=True)
@@ -88,101 +86,8 @@ class Entry:
     sync: str | None = None  # "mean"/"sum" when an update of this step asked for it (distributed sync, rule 9)
     raw: torch.Tensor | None = None  # the target as a plain tensor, for the commit's writes
     generation: int = -1  # the model index's generation it was made in
-    journal: JournalLike | None = None  # the journal using it now (None: free to be reused by the next step)
+    journal: Journal | None = None  # the journal using it now (None: free to be reused by the next step)
     sharded: bool = False  # the target is a DTensor (FSDP2): written through its local shard
 
     def current(self) -> torch.Tensor:
         return self.target if self.value is None else self.value
-
-
-# --- the seams, as Protocols --------------------------------------------------------------------------
-class IndexLike(Protocol):
-    """A model's index (``targets.ModelIndex``)."""
-
-    generation: int
-    by_id: dict[int, TargetInfo]
-    has_meta: bool
-
-    @property
-    def model(self) -> nn.Module | None: ...
-    def lookup(self, t: torch.Tensor) -> TargetInfo | None: ...
-    def peek(self, t: torch.Tensor) -> TargetInfo | None: ...
-    def name_of(self, t: torch.Tensor) -> str | None: ...
-    def module_name(self, module: nn.Module) -> str | None: ...
-    def meta_names(self) -> list[str]: ...
-    def owns_any(self, tensors: list[torch.Tensor]) -> bool: ...
-
-
-class JournalLike(Protocol):
-    """The journal of one step (``journal.Journal``)."""
-
-    index: Any
-    optimizer: Any
-    label: str
-    entries: dict[int, Entry]
-
-    def find(self, t: torch.Tensor, create: bool = ..., how: Any = ...) -> Entry | None: ...
-    def holds(self, t: torch.Tensor) -> bool: ...
-    def stored_of(self, v: torch.Tensor) -> tuple[torch.Tensor, dict | None] | None: ...
-    def pending_names(self) -> list[str]: ...
-    def pending_name_of(self, t: torch.Tensor) -> str | None: ...
-    def current_of(self, e: Entry) -> torch.Tensor: ...
-    def discard(self) -> None: ...
-
-
-class OwnerLike(Protocol):
-    """What opens journals: a ``pu.attach`` attachment (``attach.Attachment``)."""
-
-    index: Any
-    label: str
-    journal: JournalLike | None
-
-    @property
-    def model(self) -> nn.Module | None: ...
-    def open_journal(self) -> JournalLike: ...
-    def detach(self) -> None: ...
-
-
-class CommitLike(Protocol):
-    """One commit (``commit.Commit``): what hooks and rules see of it."""
-
-    journal: Any
-    optimizer: Any
-    options: Any
-    label: str
-    seq: int
-
-
-class ReplayLike(Protocol):
-    """The view of the targets while a checkpointed segment is recomputed (``replay.Replay``)."""
-
-    journals: list[Any]
-    explicit: list[Any]
-
-    def lookup(self, j: Any, t: torch.Tensor) -> Entry | None: ...
-    def current(self, j: Any, e: Entry) -> torch.Tensor: ...
-    def set_value(self, j: Any, e: Entry, new: torch.Tensor) -> None: ...
-    def eager_write(self, op: str, target: torch.Tensor, operand: Any, key: Any, cond: Any) -> None: ...
-
-
-class EagerLogLike(Protocol):
-    """Entry values of the targets a checkpointed segment writes eagerly (``replay.EagerLog``)."""
-
-    def note(self, t: torch.Tensor) -> None: ...
-
-
-class RuleLike(Protocol):
-    """A declared rule (``rules.base.Rule``): what the core outside ``rules/`` uses of it."""
-
-    phase: str
-    kind: str
-    origin: Any
-    seq: int
-    infallible: bool
-    per_optimizer_update: bool
-
-    def tensors(self) -> list[torch.Tensor]: ...
-    def owner_tensors(self) -> list[torch.Tensor]: ...
-    def alive(self) -> bool: ...
-    def save(self) -> Any: ...
-    def restore(self, saved: Any) -> None: ...

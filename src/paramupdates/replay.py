@@ -27,15 +27,16 @@ recomputes bitwise the same values, hence the same gradients.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import overlay, routing, state
 from .ops import apply_inplace
-from .records import Entry, JournalLike
+from .records import Entry
 
-Journal = JournalLike
+if TYPE_CHECKING:
+    from .journal import Journal
 
 EntryValues = dict[tuple[int, int], torch.Tensor]
 """``(id(journal), id(entry))`` -> the value shown at segment entry."""

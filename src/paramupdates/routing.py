@@ -20,13 +20,17 @@ thread, whose model does not own the target (``updates.issue`` then says so).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import hooks, state
 from .lookup import EAGER, Lookup
-from .records import Entry, JournalLike, OwnerLike
+from .records import Entry
+
+if TYPE_CHECKING:
+    from .attach import Attachment
+    from .journal import Journal
 
 THREAD = "thread"
 PROCESS = "process"
@@ -36,7 +40,7 @@ _process = state.process
 
 
 # --- what is live ---------------------------------------------------------------------------------------
-def live_journals(scope: str = THREAD) -> list[JournalLike]:
+def live_journals(scope: str = THREAD) -> list[Journal]:
     """The open journals of ``scope`` (see the module docstring), innermost explicit step first."""
     if scope == PROCESS:
         if not (_process.steps or _process.attachments):
@@ -54,23 +58,23 @@ def live_journals(scope: str = THREAD) -> list[JournalLike]:
     return out
 
 
-def attached_journals() -> list[JournalLike]:
+def attached_journals() -> list[Journal]:
     """The open journals of the attachments, in attach order."""
     return [a.journal for a in _process.attachments if a.journal is not None]
 
 
-def explicit() -> list[JournalLike]:
+def explicit() -> list[Journal]:
     """This thread's explicit journals (``pu.step`` blocks), innermost last."""
     return _local.explicit
 
 
-def explicit_anywhere() -> list[JournalLike]:
+def explicit_anywhere() -> list[Journal]:
     """The explicit journals in progress in every thread (a module's slots, and an optimizer, are
     shared between threads)."""
     return _process.steps
 
 
-def attachments() -> list[OwnerLike]:
+def attachments() -> list[Attachment]:
     """The live attachments, in attach order."""
     return _process.attachments
 
@@ -95,13 +99,13 @@ def nothing_records() -> bool:
 
 
 # --- opening and closing ----------------------------------------------------------------------------------
-def enter(j: JournalLike) -> None:
+def enter(j: Journal) -> None:
     """An explicit step (``pu.step``, ``Stepper``, ``pu.func.functional_call``) opens in this thread."""
     _local.explicit.append(j)
     _process.steps.append(j)
 
 
-def leave(j: JournalLike) -> None:
+def leave(j: Journal) -> None:
     """The explicit step ``j`` is over (it no longer routes updates)."""
     if j in _local.explicit:
         _local.explicit.remove(j)
@@ -109,11 +113,11 @@ def leave(j: JournalLike) -> None:
         _process.steps.remove(j)
 
 
-def add_attachment(att: OwnerLike) -> None:
+def add_attachment(att: Attachment) -> None:
     _process.attachments.append(att)
 
 
-def remove_attachment(att: OwnerLike) -> None:
+def remove_attachment(att: Attachment) -> None:
     if att in _process.attachments:
         _process.attachments.remove(att)
 
@@ -124,7 +128,7 @@ def prune_attachments() -> None:
 
 
 # --- routing an update ------------------------------------------------------------------------------------
-def _holding(t: torch.Tensor) -> JournalLike | None:
+def _holding(t: torch.Tensor) -> Journal | None:
     """The live journal that has ``t`` as a pending value, found by identity: under dynamo, where a
     pending value (a new tensor every step) must not be looked up by ``id()``."""
     for j in reversed(_local.explicit):
@@ -136,7 +140,7 @@ def _holding(t: torch.Tensor) -> JournalLike | None:
     return None
 
 
-def journal_of(t: torch.Tensor, origin: Any, op: str, how: Lookup = EAGER) -> tuple[JournalLike | None, Entry | None]:
+def journal_of(t: torch.Tensor, origin: Any, op: str, how: Lookup = EAGER) -> tuple[Journal | None, Entry | None]:
     """The journal that records an update of ``t``, and ``t``'s entry in it; ``(None, None)``: no
     journal owns it (eager, or an error when this thread has a step in progress)."""
     if how.traced:
@@ -174,7 +178,7 @@ def journal_of(t: torch.Tensor, origin: Any, op: str, how: Lookup = EAGER) -> tu
     return None, None
 
 
-def journal_for(t: torch.Tensor, how: Lookup = EAGER) -> JournalLike | None:
+def journal_for(t: torch.Tensor, how: Lookup = EAGER) -> Journal | None:
     """The journal of the step whose model has ``t`` as a parameter or buffer (its index as built,
     no rebuild), opening an attachment's if none is open; or None: a cheap look-up for
     ``updates.issue_computed``'s fast path."""
@@ -194,7 +198,7 @@ def journal_for(t: torch.Tensor, how: Lookup = EAGER) -> JournalLike | None:
     return None
 
 
-def owned_elsewhere(t: torch.Tensor, att: OwnerLike) -> bool:
+def owned_elsewhere(t: torch.Tensor, att: Attachment) -> bool:
     """Whether ``t`` is known (without rebuilding any index) to belong to another model than
     ``att``'s only.
 
@@ -221,7 +225,7 @@ def owned_elsewhere(t: torch.Tensor, att: OwnerLike) -> bool:
 
 
 # --- reading ------------------------------------------------------------------------------------------
-def read(t: torch.Tensor, how: Lookup = EAGER) -> tuple[JournalLike, Entry] | None:
+def read(t: torch.Tensor, how: Lookup = EAGER) -> tuple[Journal, Entry] | None:
     """The live journal (this thread's scope) that has an entry for ``t``, and the entry."""
     for j in live_journals(THREAD):
         e = j.find(t, False, how)
@@ -231,7 +235,7 @@ def read(t: torch.Tensor, how: Lookup = EAGER) -> tuple[JournalLike, Entry] | No
 
 
 # --- pending values and the stored tensors behind them -----------------------------------------------
-def stored_of(v: torch.Tensor, journals: list[JournalLike] | None = None) -> tuple[torch.Tensor, dict | None] | None:
+def stored_of(v: torch.Tensor, journals: list[Journal] | None = None) -> tuple[torch.Tensor, dict | None] | None:
     """``(target, buffer slots)`` when ``v`` is a pending value shown by an open journal (any thread)."""
     for j in journals if journals is not None else live_journals(PROCESS):
         found = j.stored_of(v)
@@ -240,7 +244,7 @@ def stored_of(v: torch.Tensor, journals: list[JournalLike] | None = None) -> tup
     return None
 
 
-def stored(t: Any, journals: list[JournalLike] | None = None) -> Any:
+def stored(t: Any, journals: list[Journal] | None = None) -> Any:
     """The stored tensor behind ``t`` when a module slot shows ``t`` as a pending value (rule 1),
     else ``t``: what a rule that follows a module's tensors by name must take from a slot."""
     if not isinstance(t, torch.Tensor) or not anything_open():
@@ -249,7 +253,7 @@ def stored(t: Any, journals: list[JournalLike] | None = None) -> Any:
     return t if found is None else found[0]
 
 
-def pending_owner(t: torch.Tensor) -> tuple[JournalLike, str] | None:
+def pending_owner(t: torch.Tensor) -> tuple[Journal, str] | None:
     """``(journal, qualified name)`` if ``t`` is a target with pending updates in an open journal of
     any thread, or the pending value of one."""
     for j in live_journals(PROCESS):
@@ -259,12 +263,12 @@ def pending_owner(t: torch.Tensor) -> tuple[JournalLike, str] | None:
     return None
 
 
-def pending_of(tensors: list[torch.Tensor]) -> list[tuple[str, JournalLike, OwnerLike | None, list[str]]]:
+def pending_of(tensors: list[torch.Tensor]) -> list[tuple[str, Journal, Attachment | None, list[str]]]:
     """For each journal this thread sees (its explicit steps, then attachments' open journals) that
     holds pending updates of some of ``tensors`` (a module's buffer slot shows the pending value:
     its id counts as the target's): ``(label, journal, attachment or None, their names)``."""
     ids = {id(t) for t in tensors}
-    owners: list[tuple[str, JournalLike, OwnerLike | None]] = [(j.label, j, None) for j in _local.explicit]
+    owners: list[tuple[str, Journal, Attachment | None]] = [(j.label, j, None) for j in _local.explicit]
     owners += [(a.label, a.journal, a) for a in _process.attachments if a.journal is not None]
     out = []
     for label, j, att in owners:

@@ -27,10 +27,10 @@ import torch
 if TYPE_CHECKING:
     from torch import nn
 
-    from .records import CommitLike as Commit
+    from .commit.driver import Commit
+    from .journal import Journal
     from .records import Entry
-    from .records import IndexLike as ModelIndex
-    from .records import JournalLike as Journal
+    from .targets import ModelIndex
 
 
 def dtensor_type() -> type | None:

@@ -27,19 +27,22 @@ import collections
 import itertools
 import threading
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .records import EagerLogLike, JournalLike, OwnerLike, ReplayLike
+if TYPE_CHECKING:
+    from .attach import Attachment
+    from .journal import Journal
+    from .replay import EagerLog, Replay
 
 
 class Local(threading.local):
     """What one thread has in progress (each thread starts with nothing)."""
 
     def __init__(self) -> None:
-        self.explicit: list[JournalLike] = []
+        self.explicit: list[Journal] = []
         """``pu.step`` / ``Stepper`` / ``pu.func.functional_call`` journals in progress in this thread
         (innermost last), while they record and while they commit."""
         self.committing: list[Any] = []
@@ -48,7 +51,7 @@ class Local(threading.local):
         self.conditions: list[bool | torch.Tensor | None] = [None]
         """The ``pu.when`` conditions in force in this thread, combined: ``None`` (unconditional),
         ``False``, a bool tensor."""
-        self.replay: ReplayLike | None = None
+        self.replay: Replay | None = None
         """The view of the targets while this thread recomputes a checkpointed segment (replay,
         rule 3). Its journals are those live when the segment's forward ran, in whichever thread:
         autograd may recompute in one of its device threads."""
@@ -57,7 +60,7 @@ class Local(threading.local):
         rules it applies (``accounting``: the global optimizer hook warns about the others)."""
         self.optimizer_depth = 0
         """How many ``optimizer.step()`` calls of this thread are running (nested: a subclass's ``super().step()``)."""
-        self.eager_log: EagerLogLike | None = None
+        self.eager_log: EagerLog | None = None
         """The innermost checkpointed segment whose forward this thread runs outside a step: it
         notes the entry values of what it writes eagerly, for its recomputation."""
 
@@ -76,10 +79,10 @@ class Process:
     """What the process keeps (shared by its threads). Each attribute, what it holds:"""
 
     # --- steps and what reads show -------------------------------------------------------------------
-    steps: list[JournalLike]
+    steps: list[Journal]
     """Every explicit step in progress, of every thread (what serialization and ``load_state_dict``
     look at: a module's slots are shared between threads)."""
-    attachments: list[OwnerLike]
+    attachments: list[Attachment]
     """Live attachments (``pu.attach``), in attach order. An attachment holds its model weakly and leaves
     this list when the model is collected."""
     pu_pending: dict[int, Any]

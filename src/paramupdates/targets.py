@@ -12,13 +12,16 @@ import operator
 import sys
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from . import guards, hooks, overlay, routing, sharding, state
-from .records import RuleLike, TargetInfo
+from .records import TargetInfo
+
+if TYPE_CHECKING:
+    from .rules.base import Rule
 
 
 class ModelIndex:
@@ -33,7 +36,7 @@ class ModelIndex:
         self.model_ref = weakref.ref(model)
         self.by_id: dict[int, TargetInfo] = {}
         self.generation = 0
-        self.rules: list[RuleLike] = []
+        self.rules: list[Rule] = []
         """The rules that apply to the model, in declaration order (as of :attr:`rules_key`)."""
         self.rules_key: tuple[int, int] | None = None
         self.followed: tuple[Any, int] | None = None

@@ -40,7 +40,7 @@ _data_ptr = torch._C.TensorBase.data_ptr
 _size = torch._C.TensorBase.size
 
 if TYPE_CHECKING:
-    from ..records import RuleLike as Rule
+    from ..rules.base import Rule
 
 Copies = list[tuple[list[torch.Tensor], list[torch.Tensor]]]
 

@@ -33,7 +33,7 @@ from .. import sharding
 from ..errors import UpdateError
 
 if TYPE_CHECKING:
-    from ..records import IndexLike as ModelIndex
+    from ..targets import ModelIndex
 
 Constraint = Any  # a rules.constraints.Constraint (a norm constraint with .dim / .norm_bound)
 

@@ -8,15 +8,22 @@ phase, rules run in declaration order, before the updates issued during the
 step (the commit's fixed phase order: ``before_grad``, the optimizer's step, ``after_grad``, the
 auxiliary updates, ``after_step``).
 
-Caching, one boundary each (the rows of ``benchmarks/rules.py`` they were kept for):
+What is kept between commits, each on the model it belongs to, each with one key:
 
-* each rule caches its *plan* (grouping, factors, pairs) inside
-  :meth:`Rule.check`, rebuilt only when what it depends on changed;
-* :class:`RuleSet`, per model and optimizer, caches which rules apply to the
-  model and re-checks all their plans in one pass over the storage of
-  their tensors (:meth:`Rule.fingerprint` / :meth:`Rule.revalidate`) instead of one
-  full check per rule: ``benchmarks/rules.py``, part A "tiny", pu / foreach
-  (five to six passes over per-tensor metadata per commit otherwise).
+* which rules apply to the model: ``index.rules`` on its :class:`~paramupdates.targets.ModelIndex`,
+  keyed by ``(rules_version, generation)`` (:func:`rules_for`);
+* per model and optimizer (``ModelIndex.caches_for``), :class:`RuleSet`: what the last full check
+  of those rules saw, re-checked in one pass over the storage of their tensors
+  (:meth:`Rule.fingerprint` / :meth:`Rule.revalidate`) instead of one full check per rule, keyed by
+  the rules' key above: ``benchmarks/rules.py``, part A "tiny", pu / foreach (five to six passes
+  over per-tensor metadata per commit otherwise);
+* under it, each declared rule's *plan* (grouping, pairs, factors: one protocol for every built-in
+  rule, ``rules/declared.py``), made again at a full check only where its own key (its tensors'
+  storage and :meth:`~paramupdates.rules.declared.DeclaredRule.plan_key`) changed: a change to one
+  rule, or to the model's structure, re-plans none of the others.
+
+What changes at every commit (a learning rate, an EMA's ``d_t``) is read at every commit
+(:meth:`~paramupdates.rules.declared.DeclaredRule.ready`, weight decay's ``Factors``), never keyed.
 """
 
 from __future__ import annotations
@@ -181,6 +188,17 @@ class Rule:
     def root(self) -> Any:
         """The module whose tensors the rule follows by name (``None``: none)."""
         return None
+
+    def lost_error(self, model: str, lost: list[str]) -> UpdateError:
+        """The error of a commit of ``model`` (its class name) that this rule cannot follow: ``lost`` are the
+        covered names the model no longer has (:meth:`lost_names`)."""
+        shown = listed(list(map(repr, lost)), 4)
+        return UpdateError(
+            f"{self.describe()} declared at {self.origin} covers {shown}, which {model} no longer has under that "
+            "name (a layer removed or renamed after the declaration, a wrapper put in its place, a parametrization "
+            "registered on it). Nothing of this step was written. Declare the rule again on the model as it is "
+            f"now (the same call), or undeclare it: {self.how_to_remove()}."
+        )
 
     def rebase(self, old: Any, parent: Any, name: str) -> None:
         """The module the rule follows its tensors in (``old``) is being replaced in ``parent`` under
@@ -468,19 +486,7 @@ def _refuse_lost(index: ModelIndex) -> None:
     for r in index.rules:
         lost = r.lost_names()
         if lost and not r.removed:
-            raise lost_error(r, type(model).__name__, lost)
-
-
-def lost_error(rule: Rule, model: str, lost: list[str]) -> UpdateError:
-    """The error of a commit of ``model`` (its class name) that ``rule`` cannot follow: ``lost`` are the
-    covered names the model no longer has."""
-    shown = listed(list(map(repr, lost)), 4)
-    return UpdateError(
-        f"{rule.describe()} declared at {rule.origin} covers {shown}, which {model} no longer has under that "
-        "name (a layer removed or renamed after the declaration, a wrapper put in its place, a parametrization "
-        "registered on it). Nothing of this step was written. Declare the rule again on the model as it is now "
-        f"(the same call), or undeclare it: {rule.how_to_remove()}."
-    )
+            raise r.lost_error(type(model).__name__, lost)
 
 
 def _unbound_rules(index: ModelIndex, optimizer: Any) -> list[Rule]:
@@ -539,8 +545,10 @@ class RuleSet:
             self._record(rules, ctx)
 
     def _signature(self, rules: list[Rule], ctx: CommitContext) -> tuple[Any, ...]:
-        # (the rule set belongs to one model index and one optimizer: ``ModelIndex.caches_for``)
-        return (len(rules), ctx.index.generation, ctx.index.rules_key)
+        # (the rule set belongs to one model index and one optimizer: ``ModelIndex.caches_for``). The key of
+        # the index's rules, ``(rules_version, generation)``, as ``rules_for`` made them for this commit: not
+        # a second key of the model's structure
+        return (len(rules), ctx.index.rules_key)
 
     def _revalidate(self, rules: list[Rule], ctx: CommitContext) -> bool:
         if self._sig is None or self._sig != self._signature(rules, ctx):

@@ -27,7 +27,9 @@ Math (``n`` the L2 norm along the reduced dims, ``eps = 1e-7`` as Keras'
 * a callable ``f``:           ``f(w)`` (validated: same shape and device, castable dtype)
 
 Each constraint has a readable reference path (``c(w)``, out of place, the
-Keras formula) and a foreach path (``c.apply_(tensors, plan)``, in place),
+Keras formula: :func:`_single_tensor_constraint`) and a foreach path
+(:func:`_multi_tensor_constraint`: plain functions of the constraint's math, planned,
+bound and run by the ``Constrain`` rule like every declared rule), in place,
 per device, dtype and rank: the norms, then the factors of the whole group in
 one pass over the concatenated norms, then one ``torch._foreach_mul_``.
 PyTorch has no foreach norm along a dim, so the norms are computed
@@ -80,7 +82,10 @@ EPSILON = 1e-7  # keras.backend.epsilon()
 
 
 class Constraint:
-    """A projection ``w -> c(w)``: ``c(w)`` is the reference, ``c.apply_(ts)`` the foreach path."""
+    """A projection ``w -> c(w)``: its math. ``c(w)`` is the reference (out of place); a norm constraint
+    adds ``factor(n)``, a clamp its bounds, and the foreach path is plain functions of those
+    (:func:`_multi_tensor_constraint`), which ``pu.constrain``'s rule plans, binds and runs. A subclass
+    of the user's gives its in-place foreach path as ``apply_(ts, plan)``."""
 
     name = "constraint"
     infallible = True  # the built-in ones; a user callable is not
@@ -92,34 +97,15 @@ class Constraint:
         """Raise if the constraint cannot apply to ``t`` (checked at declaration)."""
 
     def plan(self, ts: list[torch.Tensor], norms: str = "auto") -> Any:
-        """Precompute what :meth:`apply_` needs for ``ts``: indices into ``ts``, never the tensors
-        (a rule must not keep them alive); rebuilt when any tensor's storage changes. ``norms``: how
-        a norm constraint computes row norms (:data:`NORMS`; others ignore it)."""
-        keep = [i for i, t in enumerate(ts) if t.numel()]
-        sub = [ts[i] for i in keep]
-        return (
-            [
-                [keep[j] for j in idx]
-                for _k, (_, idx) in _group_tensors_by_device_and_dtype([sub], with_indices=True).items()
-            ]
-            if sub
-            else []
-        )
+        """The foreach path's plan for ``ts`` (:func:`_plan`: indices into ``ts``, never the tensors)."""
+        return _plan(self, ts, norms)
 
     def apply_(self, ts: list[torch.Tensor], plan: Any) -> None:
-        """Apply in place to ``ts`` (the tensors :meth:`plan` saw)."""
-        raise NotImplementedError
-
-    def bind_(self, ts: list[torch.Tensor], plan: Any) -> Any:
-        """What :meth:`run_` takes: the plan's tensor lists for ``ts``, made once per plan (the rule set
-        keeps them while the tensors' storage is unchanged). Default: ``ts`` and the plan, for :meth:`apply_`."""
-        return ts, plan
-
-    def run_(self, bound: Any, ok: torch.Tensor | None = None) -> None:
-        """Apply in place with what :meth:`bind_` made (no Python work per tensor in the built-in ones);
-        ``ok``: a device verdict (a skip decided on the device) that a subclass applies under. Default:
-        :meth:`apply_` (only called without ``ok``: a rule that cannot apply under one says so, ``gates``)."""
-        self.apply_(*bound)
+        """``t <- c(t)`` in place for ``ts`` (the tensors :meth:`plan` saw): :func:`_multi_tensor_constraint`.
+        A constraint of the user's overrides it (its ``plan``: ``ts``' positions per device and dtype)."""
+        if not isinstance(self, _Norm | _Clamp):
+            raise NotImplementedError(f"{type(self).__name__}.apply_(ts, plan): the in-place foreach path")
+        _multi_tensor_constraint(self, ts, plan)
 
     def __repr__(self) -> str:
         return f"pu.{self.name}()"
@@ -174,93 +160,6 @@ class _Norm(Constraint):
 
     def __call__(self, w: torch.Tensor) -> torch.Tensor:
         return w * self.factor(self.norms(w))
-
-    # foreach path
-    def plan(self, ts: list[torch.Tensor], norms: str = "auto") -> Any:
-        whole: list[int] = []
-        by_rank: dict[tuple, list[int]] = {}
-        for i, t in enumerate(ts):
-            if t.numel() == 0:
-                continue  # nothing to constrain (and _chunk_cat refuses empty tensors)
-            if self.dim is None or t.ndim == 0:
-                whole.append(i)
-            else:
-                by_rank.setdefault((t.device, t.dtype, t.ndim, self.dim % t.ndim), []).append(i)
-        rows = []
-        for (dev, _dt, nd, d), idx in by_rank.items():
-            if norms == "segments" or (norms == "auto" and dev.type != "cpu"):
-                counts = [ts[i].shape[d] for i in idx]
-                per_row = [ts[i].numel() // ts[i].shape[d] if ts[i].shape[d] else 0 for i in idx]
-                lengths = torch.tensor(per_row, dtype=torch.long).repeat_interleave(torch.tensor(counts)).to(dev)
-                rows.append((idx, d, counts, lengths, nd))
-                continue
-            # CPU: small tensors of one trailing shape are concatenated and reduced in one call
-            # (the copy costs less than the per-call overhead it saves); large ones one call each.
-            batches: dict[Any, list[int]] = {}
-            for i in idx:
-                t = ts[i]
-                trail = tuple(s for j, s in enumerate(t.shape) if j != d)
-                small = norms == "concat" or (norms == "auto" and t.numel() <= CAT_NUMEL)
-                key = ("cat", trail) if small and nd > 1 else ("each",)
-                batches.setdefault(key, []).append(i)
-            order = [i for b in batches.values() for i in b]
-            kinds = [(k[0] == "cat", len(b)) for k, b in batches.items()]
-            rows.append((order, d, [ts[i].shape[d] for i in order], kinds, nd))
-        wholes = []
-        if whole:
-            sub = [ts[i] for i in whole]
-            wholes = [
-                [whole[j] for j in idx]
-                for _k, (_, idx) in _group_tensors_by_device_and_dtype([sub], with_indices=True).items()
-            ]
-        return wholes, rows
-
-    def apply_(self, ts: list[torch.Tensor], plan: Any) -> None:
-        self.run_(self.bind_(ts, plan))
-
-    def bind_(self, ts: list[torch.Tensor], plan: Any) -> Any:
-        """Per group of the plan, its tensors (the kept dim first: views, so writes reach the tensors),
-        the shape of its norms, and its CPU batches of small tensors: :meth:`run_`'s lists."""
-        wholes, rows = plan
-        bound_rows = []
-        for idx, d, counts, lengths, nd in rows:  # lengths: segment lengths, or CPU batches (cat?, size)
-            vs = [ts[i] for i in idx] if d == 0 else [ts[i].movedim(d, 0) for i in idx]
-            shape = (-1, *([1] * (nd - 1)))
-            if isinstance(lengths, torch.Tensor) or nd == 1:
-                bound_rows.append((vs, shape, counts, lengths, None))
-                continue
-            batches, at = [], 0
-            for cat, k in lengths:
-                batches.append((cat, vs[at : at + k]))
-                at += k
-            bound_rows.append((vs, shape, counts, batches, tuple(range(1, nd))))
-        return [[ts[i] for i in idx] for idx in wholes], bound_rows
-
-    def run_(self, bound: Any, ok: torch.Tensor | None = None) -> None:
-        wholes, rows = bound
-        for group in wholes:
-            n = torch.stack(torch._foreach_norm(group))
-            torch._foreach_mul_(group, list(_gate(self.factor(n), ok).unbind(0)))
-        for vs, shape, counts, lengths, dims in rows:
-            if isinstance(lengths, torch.Tensor):
-                # accelerators: launch bound; the whole group in a handful of kernels
-                flat = _flat(vs)
-                n = torch.segment_reduce(flat.square_(), "sum", lengths=lengths, unsafe=True).sqrt_().view(shape)
-            elif dims is None:  # 1-D: one norm per element
-                n = torch.cat(torch._foreach_abs(vs)).view(shape)
-            else:
-                # CPU (torch has no foreach norm over a dim): one vector_norm per batch of small
-                # tensors of one trailing shape, one per large tensor (memory bound: no copy).
-                parts: list[torch.Tensor] = []
-                for cat, batch in lengths:
-                    if cat:
-                        parts.append(
-                            torch.linalg.vector_norm(torch.cat(batch) if len(batch) > 1 else batch[0], dim=dims)
-                        )
-                    else:
-                        parts.extend(torch.linalg.vector_norm(v, dim=dims) for v in batch)
-                n = (torch.cat(parts) if len(parts) > 1 else parts[0]).view(shape)
-            torch._foreach_mul_(vs, _gate(self.factor(n), ok).split_with_sizes(counts))
 
 
 def _gate(factors: torch.Tensor, ok: torch.Tensor | None) -> torch.Tensor:
@@ -361,36 +260,6 @@ class _Clamp(Constraint):
 
     def __call__(self, w: torch.Tensor) -> torch.Tensor:
         return w.clamp(self.min, self.max)
-
-    def apply_(self, ts_all: list[torch.Tensor], plan: Any) -> None:
-        self.run_(self.bind_(ts_all, plan))
-
-    def bind_(self, ts_all: list[torch.Tensor], plan: Any) -> Any:
-        """Per device and dtype: the tensors and the bounds in their kind (integers for integer tensors)."""
-        out = []
-        for idx in plan:
-            ts = [ts_all[i] for i in idx]
-            lo, hi = self.min, self.max
-            if not ts[0].is_floating_point():
-                lo = None if lo is None else int(lo)
-                hi = None if hi is None else int(hi)
-            out.append((ts, lo, hi))
-        return out
-
-    def run_(self, bound: Any, ok: torch.Tensor | None = None) -> None:
-        for ts, lo, hi in bound:
-            if ok is not None:  # out of place, then where(ok, clamped, w)
-                new = ts
-                if lo is not None:
-                    new = torch._foreach_clamp_min(new, lo)
-                if hi is not None:
-                    new = torch._foreach_clamp_max(new, hi)
-                select_(ok, ts, new)
-                continue
-            if lo is not None:
-                torch._foreach_clamp_min_(ts, lo)
-            if hi is not None:
-                torch._foreach_clamp_max_(ts, hi)
 
 
 class NonNeg(_Clamp):
@@ -520,13 +389,164 @@ def _single_tensor_constraint(
 
 
 def _multi_tensor_constraint(c: Constraint, ts: list[torch.Tensor], plan: Any, ok: torch.Tensor | None = None) -> None:
-    """``t <- c(t)`` for every tensor, in place, per device, dtype and rank (``c.apply_``: the norms of a
-    group, its factors in one pass, one ``torch._foreach_mul_``; ``c.bind_`` then ``c.run_``); under a
-    device verdict ``ok``, ``where(ok, c(t), t)`` (``c.run_(bound, ok)``)."""
-    if ok is None:
-        c.apply_(ts, plan)
-    else:
-        c.run_(c.bind_(ts, plan), ok)
+    """``t <- c(t)`` for every tensor, in place, per device, dtype and rank: for a norm constraint the
+    norms of a group, its factors in one pass, one ``torch._foreach_mul_``; for a clamp
+    ``torch._foreach_clamp_min_`` / ``_max_`` (:func:`_kernels`: ``bind`` then ``run``). Under a device
+    verdict ``ok``, ``where(ok, c(t), t)``."""
+    bind, run = _kernels(c)
+    run(c, bind(c, ts, plan), ok)
+
+
+# --- the foreach path: plain functions of a constraint's math ----------------------------------------
+def _plan(c: Constraint, ts: list[torch.Tensor], norms: str = "auto") -> Any:
+    """What the foreach path of ``c`` needs for ``ts``, as indices into ``ts`` (a rule must not keep the
+    tensors alive), made again when any tensor's storage changes: for a norm constraint
+    :func:`_norm_plan`; else the positions of the non-empty tensors per device and dtype."""
+    if isinstance(c, _Norm):
+        return _norm_plan(c.dim, ts, norms)
+    return _device_groups(ts, [i for i, t in enumerate(ts) if t.numel()])
+
+
+def _device_groups(ts: list[torch.Tensor], keep: list[int]) -> list[list[int]]:
+    """The positions ``keep`` of ``ts``, per device and dtype."""
+    if not keep:
+        return []
+    grouped = _group_tensors_by_device_and_dtype([[ts[i] for i in keep]], with_indices=True)
+    return [[keep[j] for j in idx] for _k, (_, idx) in grouped.items()]
+
+
+def _norm_plan(dim: int | None, ts: list[torch.Tensor], norms: str) -> Any:
+    """``(wholes, rows)``: the positions whose norm is over the whole tensor (``dim=None``, 0-dim), per
+    device and dtype; and per device, dtype, rank and kept dim, the positions and how their row norms are
+    computed (:data:`NORMS`): segment lengths on accelerators, CPU batches ``(concatenated?, size)``."""
+    whole: list[int] = []
+    by_rank: dict[tuple, list[int]] = {}
+    for i, t in enumerate(ts):
+        if t.numel() == 0:
+            continue  # nothing to constrain (and _chunk_cat refuses empty tensors)
+        if dim is None or t.ndim == 0:
+            whole.append(i)
+        else:
+            by_rank.setdefault((t.device, t.dtype, t.ndim, dim % t.ndim), []).append(i)
+    rows = []
+    for (dev, _dt, nd, d), idx in by_rank.items():
+        if norms == "segments" or (norms == "auto" and dev.type != "cpu"):
+            counts = [ts[i].shape[d] for i in idx]
+            per_row = [ts[i].numel() // ts[i].shape[d] if ts[i].shape[d] else 0 for i in idx]
+            lengths = torch.tensor(per_row, dtype=torch.long).repeat_interleave(torch.tensor(counts)).to(dev)
+            rows.append((idx, d, counts, lengths, nd))
+            continue
+        # CPU: small tensors of one trailing shape are concatenated and reduced in one call
+        # (the copy costs less than the per-call overhead it saves); large ones one call each.
+        batches: dict[Any, list[int]] = {}
+        for i in idx:
+            t = ts[i]
+            trail = tuple(s for j, s in enumerate(t.shape) if j != d)
+            small = norms == "concat" or (norms == "auto" and t.numel() <= CAT_NUMEL)
+            key = ("cat", trail) if small and nd > 1 else ("each",)
+            batches.setdefault(key, []).append(i)
+        order = [i for b in batches.values() for i in b]
+        kinds = [(k[0] == "cat", len(b)) for k, b in batches.items()]
+        rows.append((order, d, [ts[i].shape[d] for i in order], kinds, nd))
+    return _device_groups(ts, whole), rows
+
+
+def _norm_bind(c: Constraint, ts: list[torch.Tensor], plan: Any) -> Any:
+    """Per group of the plan, its tensors (the kept dim first: views, so writes reach the tensors),
+    the shape of its norms, and its CPU batches of small tensors: :func:`_multi_tensor_norm`'s lists."""
+    wholes, rows = plan
+    bound_rows = []
+    for idx, d, counts, lengths, nd in rows:  # lengths: segment lengths, or CPU batches (cat?, size)
+        vs = [ts[i] for i in idx] if d == 0 else [ts[i].movedim(d, 0) for i in idx]
+        shape = (-1, *([1] * (nd - 1)))
+        if isinstance(lengths, torch.Tensor) or nd == 1:
+            bound_rows.append((vs, shape, counts, lengths, None))
+            continue
+        batches, at = [], 0
+        for cat, k in lengths:
+            batches.append((cat, vs[at : at + k]))
+            at += k
+        bound_rows.append((vs, shape, counts, batches, tuple(range(1, nd))))
+    return [[ts[i] for i in idx] for idx in wholes], bound_rows
+
+
+def _multi_tensor_norm(c: Any, bound: Any, ok: torch.Tensor | None = None) -> None:
+    """``w <- w * c.factor(n)``, ``n`` the L2 norms over every dim but ``dim``: per group, its norms, the
+    factors of the whole group in one pass, one ``torch._foreach_mul_``; under a device verdict ``ok``
+    the factors are ``where(ok, f, 1)``."""
+    wholes, rows = bound
+    for group in wholes:
+        n = torch.stack(torch._foreach_norm(group))
+        torch._foreach_mul_(group, list(_gate(c.factor(n), ok).unbind(0)))
+    for vs, shape, counts, lengths, dims in rows:
+        if isinstance(lengths, torch.Tensor):
+            # accelerators: launch bound; the whole group in a handful of kernels
+            flat = _flat(vs)
+            n = torch.segment_reduce(flat.square_(), "sum", lengths=lengths, unsafe=True).sqrt_().view(shape)
+        elif dims is None:  # 1-D: one norm per element
+            n = torch.cat(torch._foreach_abs(vs)).view(shape)
+        else:
+            # CPU (torch has no foreach norm over a dim): one vector_norm per batch of small
+            # tensors of one trailing shape, one per large tensor (memory bound: no copy).
+            parts: list[torch.Tensor] = []
+            for cat, batch in lengths:
+                if cat:
+                    parts.append(torch.linalg.vector_norm(torch.cat(batch) if len(batch) > 1 else batch[0], dim=dims))
+                else:
+                    parts.extend(torch.linalg.vector_norm(v, dim=dims) for v in batch)
+            n = (torch.cat(parts) if len(parts) > 1 else parts[0]).view(shape)
+        torch._foreach_mul_(vs, _gate(c.factor(n), ok).split_with_sizes(counts))
+
+
+def _clamp_bind(c: Any, ts_all: list[torch.Tensor], plan: Any) -> Any:
+    """Per device and dtype: the tensors and the bounds in their kind (integers for integer tensors)."""
+    out = []
+    for idx in plan:
+        ts = [ts_all[i] for i in idx]
+        lo, hi = c.min, c.max
+        if not ts[0].is_floating_point():
+            lo = None if lo is None else int(lo)
+            hi = None if hi is None else int(hi)
+        out.append((ts, lo, hi))
+    return out
+
+
+def _multi_tensor_clamp(c: Any, bound: Any, ok: torch.Tensor | None = None) -> None:
+    """``w <- clamp(w, lo, hi)``: ``torch._foreach_clamp_min_`` / ``_max_`` per device and dtype; under a
+    device verdict ``ok`` out of place, then ``where(ok, clamped, w)``."""
+    for ts, lo, hi in bound:
+        if ok is not None:  # out of place, then where(ok, clamped, w)
+            new = ts
+            if lo is not None:
+                new = torch._foreach_clamp_min(new, lo)
+            if hi is not None:
+                new = torch._foreach_clamp_max(new, hi)
+            select_(ok, ts, new)
+            continue
+        if lo is not None:
+            torch._foreach_clamp_min_(ts, lo)
+        if hi is not None:
+            torch._foreach_clamp_max_(ts, hi)
+
+
+def _own_bind(c: Constraint, ts: list[torch.Tensor], plan: Any) -> Any:
+    return ts, plan
+
+
+def _own_apply(c: Constraint, bound: Any, ok: torch.Tensor | None = None) -> None:
+    c.apply_(*bound)  # (no ok: a constraint of the user's does not gate, Constrain.gates)
+
+
+def _kernels(c: Constraint) -> tuple[Callable[..., Any], Callable[..., None]]:
+    """``(bind, run)``: the foreach path of ``c`` as two plain functions. ``bind(c, ts, plan)`` makes the
+    lists of the plan's groups (once per plan: the rule set keeps them while the storage is unchanged);
+    ``run(c, bound, ok)`` applies in place, with no Python work per tensor in the built-in ones. A
+    constraint of the user's: its own ``apply_(ts, plan)``."""
+    if isinstance(c, _Norm):
+        return _norm_bind, _multi_tensor_norm
+    if isinstance(c, _Clamp):
+        return _clamp_bind, _multi_tensor_clamp
+    return _own_bind, _own_apply
 
 
 class Constrain(DeclaredRule):
@@ -550,6 +570,7 @@ class Constrain(DeclaredRule):
         # a user callable has only the reference path: c(w) tensor by tensor
         self.foreach = foreach and not isinstance(constraint, CallableConstraint)
         self.kind = f"constrain:{constraint.name}"
+        self._bind, self._run = _kernels(constraint)  # (the foreach path's two plain functions)
         self.infallible = constraint.infallible
         # declared on a module: follows its parameters by name (e.g. into fully_shard's DTensors)
         self.hold(named, root)
@@ -599,19 +620,19 @@ class Constrain(DeclaredRule):
             return self.constraint.plan(ts, self.norms) if self.foreach else None
 
     def bind(self, ctx: CommitContext, live: list[Any]) -> Any:
-        """The constraint's lists for plain aliases of the live tensors (``Constraint.bind_``, the
+        """The constraint's lists for plain aliases of the live tensors (:func:`_kernels`' ``bind``, the
         foreach path of a constraint on plain tensors). ``None`` (:meth:`run` makes them each commit)
         for DTensors, the reference path, and a traced commit, which takes the tensors themselves:
         dynamo guards them already (an alias would be one more)."""
         if self._sharded or not self.foreach or torch.compiler.is_compiling():
             return None
-        return self.constraint.bind_(aliases([t for t in live if t is not None]), self.plan)
+        return self._bind(self.constraint, aliases([t for t in live if t is not None]), self.plan)
 
     def run(self, ctx: CommitContext, live: list[Any], args: Any) -> None:
         ok = ctx.ok
         if args is not None and not torch.compiler.is_compiling():
             # (plain aliases: no subclass to step around)
-            self.constraint.run_(args) if ok is None else self.constraint.run_(args, ok)
+            self._run(self.constraint, args, ok)
             return
         ts = [t for t in live if t is not None]
         if self._sharded:  # DTensors: local shards, and one all-reduce for norms over sharded dims

@@ -15,11 +15,19 @@ tested against each other (``tests/test_rule_paths.py``). :class:`DeclaredRule` 
 * revalidation: a commit whose model, tensors and plan key (:meth:`DeclaredRule.same_plan`) are those
   of the last full check reuses the plan and its arguments after one pass over the tensors' storage
   (``RuleSet``), with no Python work per tensor;
+* what is read or refused at every commit, before anything is written (:meth:`DeclaredRule.ready`:
+  weight decay's refusal of a double decay, an EMA's ``d_t``), on both paths;
 * the tensors held for one commit only (``_live``, ``_args``), released by every way out of it.
 
 A subclass sets ``phase``/``kind``, builds ``names`` and ``_tensors`` in ``__init__`` (through
 :meth:`DeclaredRule.hold`), and implements :meth:`plan_key`, :meth:`make_plan` and :meth:`run`
-(and, for the fast path, :meth:`bind`).
+(and, for the fast path, :meth:`bind`). A rule over more tensors than it declares (the EMA: its
+averaged copy's, followed by name in the copy) extends :meth:`DeclaredRule.current` and
+:meth:`DeclaredRule.follow`.
+
+The ordering of one commit: :meth:`check` (full: follow by name, :meth:`make_plan` where the key
+changed, :meth:`bind`) or ``RuleSet``'s one pass and :meth:`revalidate`; then :meth:`ready`; then,
+in the rule's phase, :meth:`run`.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .base import Rule, lost_error
+from .base import Rule
 from .common import OnTensorList, WeakList, any_none, follow_in, has_subclass, storage_key
 
 if TYPE_CHECKING:
@@ -47,6 +55,8 @@ class DeclaredRule(OnTensorList, Rule):
         self._tensors = WeakList([t for _, t in named], root, self.names if root is not None else None)
         follow_in(self, root)
         self._sub = has_subclass([t for _, t in named])
+        # no plan_key of its own: the plan depends on the tensors' storage alone (no call per commit to ask)
+        self._storage_only = type(self).plan_key is DeclaredRule.plan_key
         self._key: tuple | None = None
         self.plan: Any = None
         self._live: list[Any] = []
@@ -64,7 +74,21 @@ class DeclaredRule(OnTensorList, Rule):
 
     def same_plan(self, ctx: CommitContext, live: list[Any]) -> bool:
         """Whether :meth:`plan_key` is that of the last full check (a subclass may compare cheaper)."""
-        return self._key is not None and self.plan_key(ctx, live) == self._key[0]
+        if self._key is None:
+            return False
+        return self._storage_only or self.plan_key(ctx, live) == self._key[0]
+
+    def ready(self, ctx: CommitContext) -> None:
+        """What this commit reads besides the plan, before anything is written (both paths): raise here
+        what must write nothing. Default: nothing."""
+
+    def current(self) -> list[Any]:
+        """The tensors the plan is over, as held now (``None`` where one is gone): the declared ones."""
+        return self._tensors.current()
+
+    def follow(self) -> bool:
+        """Read the named slots again (:meth:`WeakList.resync`); True if any tensor changed."""
+        return self._tensors.resync()
 
     def bind(self, ctx: CommitContext, live: list[Any]) -> Any:
         """The arguments of :meth:`run` made from :attr:`plan` and ``live`` (the lists the kernels take),
@@ -85,7 +109,7 @@ class DeclaredRule(OnTensorList, Rule):
         return [t for t in self._live if t is not None] if self._live else self._tensors.live()
 
     def resync(self) -> None:
-        if self._tensors.resync():
+        if self.follow():
             self._key = None  # another tensor in a slot: plan again
 
     def alive(self) -> bool:
@@ -95,19 +119,21 @@ class DeclaredRule(OnTensorList, Rule):
     def check(self, ctx: CommitContext) -> None:
         # a full check (the first, or something changed): read the named slots again, so that a tensor
         # replaced without a registration hook (Module._apply, to_empty) is followed even if the old one lives
-        if self._tensors.resync():
+        if self.follow():
             self._key = None
-            lost = self._tensors.lost_names()
+            lost = self.lost_names()
             if lost:  # (a name gone with no registration hook: refused before anything is written)
                 model = ctx.index.model_ref()
-                raise lost_error(self, type(model).__name__, lost)
-        live = self._tensors.current()
-        key = (self.plan_key(ctx, live), storage_key([t for t in live if t is not None], self._sub))
-        if key != self._key:
+                raise self.lost_error(type(model).__name__, lost)
+        live = self.current()
+        pk = self.plan_key(ctx, live)
+        if (pk, storage_key([t for t in live if t is not None], self._sub)) != self._key:
             self.plan = self.make_plan(ctx, live)
-            self._key = key
+            # (keyed on what the plan left: making it may move storage, as the EMA's copy follows its model)
+            self._key = (pk, storage_key([t for t in live if t is not None], self._sub))
         self._live = live  # held for this commit only
         self._args = self.bind(ctx, live)
+        self.ready(ctx)
 
     def fingerprint(self) -> list[torch.Tensor] | None:
         live = self._live
@@ -121,6 +147,7 @@ class DeclaredRule(OnTensorList, Rule):
             return False
         # the plan depends on the storage, which the caller checked, and the key; its arguments on both
         self._live, self._args = held, bound
+        self.ready(ctx)
         return True
 
     def apply(self, ctx: CommitContext) -> None:

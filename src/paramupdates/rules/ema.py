@@ -46,6 +46,13 @@ buffers are the model's, name for name and nothing more, so, as with
 ``AveragedModel(...).module``, ``model.load_state_dict(copy.state_dict())``
 loads strictly and ``zip(copy.buffers(), model.buffers())`` pairs them.
 
+The rule (:class:`EMA`) is a ``DeclaredRule``, as weight decay and the constraints are: the model's
+tensors, followed by name in the model (a layer replaced between steps is averaged under its name),
+and the copy's, followed by name in the copy; a plan made when their storage changes (the pairs
+checked and grouped per device and dtype); at each commit ``d_t`` (:meth:`EMA.ready`, before anything
+is written), then the math above (:meth:`EMA.run`). The commit's ``RuleSet`` re-checks the plan in its
+one pass over the storage of every rule's tensors, with no Python work per tensor.
+
 Where ``t`` lives (the choice). ``t`` must travel with whatever saves
 the copy (a Lightning checkpoint of a module that holds it, timm's
 ``CheckpointSaver``, ``torch.save(copy.state_dict())``), or a resumed warmup
@@ -101,27 +108,25 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .. import hooks, routing, sharding, state
+from .. import hooks, sharding, state
 from ..errors import UpdateError, listed
 from ..ops import select_
 from ..origin import call_site, is_internal
 from ..phases import AFTER_STEP
-from ..refs import WatchedRef
 from ..schedule import ScheduleEntry
-from .base import Rule, register
+from .base import register
 from .common import (
+    WeakList,
     aliases,
     check_declared,
-    follow_in,
     has_subclass,
     no_subclass,
     plain_if,
     refuse_inside_step,
-    rule_died,
-    storage_key,
     stored_named,
     where,
 )
+from .declared import DeclaredRule
 
 if TYPE_CHECKING:
     from ..targets import ModelIndex
@@ -311,14 +316,20 @@ Warmup = bool | float | int | str | TimmWarmup | Callable[[int], float] | None
 _PRESETS: Mapping[str, Any] = MappingProxyType({"timm": TimmWarmup()})
 
 
-class EMA(Rule):
-    """The averaging rule behind :func:`ema` (see the module docstring for the math)."""
+class EMA(DeclaredRule):
+    """The averaging rule behind :func:`ema` (see the module docstring for the math).
+
+    A :class:`~paramupdates.rules.declared.DeclaredRule`: it holds the averaged model's parameters and
+    buffers, followed by name in that model (rule 12: a layer replaced between steps is averaged under
+    its name, into the averages kept so far), and the copy's, followed by name in the copy. Its ``live``
+    tensors are the model's ``n``, then the copy's ``n``, pair ``i`` being ``(live[i], live[n + i])``.
+    :meth:`make_plan` checks the pairs and groups them; :meth:`ready` takes ``d_t``; :meth:`run` averages.
+    """
 
     phase = AFTER_STEP
     kind = "ema"
-    infallible = True  # foreach lerp/copy on pairs validated in check()
+    infallible = True  # foreach lerp/copy on pairs validated by make_plan
     per_optimizer_update = True
-    foreach = True  # False: the per-tensor reference path (bitwise the same result)
 
     def __init__(
         self,
@@ -332,142 +343,83 @@ class EMA(Rule):
         device: torch.device | None = None,
     ) -> None:
         super().__init__(origin)
-        self._model = WatchedRef(model, rule_died)  # the module the average follows by name (``_path`` in it)
-        self._path = ""
-        self._stale = False  # rebased: pair again before the next commit
-        follow_in(self, model)
         self.module = module
         self.decay = decay
         self.warmup = _PRESETS[warmup] if isinstance(warmup, str) else warmup
         self.include_buffers = include_buffers
-        self._pair(model, module)
-        dst = self._dst
+        self._path = ""  # where the averaged model is in the module its tensors are followed in (rebase)
+        named, copies, self._buffer = _paired(model, module, str(origin))
+        self.hold(named, model)
+        self._copies = WeakList([t for _, t in copies], module, [n for n, _ in copies])
+        src, dst = [t for _, t in named], [t for _, t in copies]
+        self._sub = has_subclass(src + dst)
+        self._avg = self._averaged(src)
         # declared with dtype=/device=: the copy's floats stay in that dtype, the copy on that device
         # (normalized: "cuda" -> "cuda:0"); otherwise the copy must be as the model is at each commit
         self._dtype = dtype
-        self._device = next(iter(dst)).device if device is not None and dst else device
-        self._key: tuple | None = None
-        self._lerp: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
-        self._mixed: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []  # dtypes differ: mul + add
-        self._copy: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
-        self._moved: list[tuple[list[torch.Tensor], list[torch.Tensor], str]] = []  # devices differ
-        self._aliased: tuple[Any, ...] | None = None  # the same lists, of plain aliases (eager commits)
+        self._device = dst[0].device if device is not None and dst else device
+        self._weight = 1.0 - decay
         # t: beside the copy, carried by the copy's state_dict metadata (no tensor: the copy's
         # parameters and buffers are the model's, name for name)
         self._counter = Counter(origin=str(origin), warmup=not (warmup is None or warmup is False))
         module.register_state_dict_post_hook(SaveCounter(self._counter))
         module.register_load_state_dict_pre_hook(LoadCounter(self._counter))
         # the model's tensors as the copy was last made for (dtype, device): the copy follows the model
-        self._where = [(t.dtype, t.device) for t in self._src]
+        self._where = [(t.dtype, t.device) for t in src]
 
-    def _pair(self, model: nn.Module, module: nn.Module) -> None:
-        """Pair each tensor of ``model`` with the tensor of the same name in the copy ``module``."""
-        names: list[str] = []
-        src: list[torch.Tensor] = []
-        dst: list[torch.Tensor] = []
-        avg: list[bool] = []
-        for kind in ("parameters", "buffers"):
-            a = dict(stored_named(model, kind))  # (not a pending value a slot shows: rule 1)
-            b = dict(getattr(module, f"named_{kind}")())
-            gone = [n for n in b if n not in a and n != COUNTER]
-            if gone:
-                raise UpdateError(
-                    f"pu.ema (declared at {self.origin}): the averaged copy has {listed(list(map(repr, gone)))}, "
-                    f"which the model no longer has (its {kind} changed after the declaration: a layer removed, "
-                    "renamed or wrapped). Nothing of this step was written. Declare pu.ema again on the model as "
-                    "it is now (and .remove() the old one: paramupdates.rules.ema.rule_of(copy).remove())."
-                )
-            for name, t in a.items():
-                if name not in b:
-                    raise UpdateError(
-                        f"pu.ema (declared at {self.origin}): the model has {name!r}, which its averaged copy has "
-                        f"not (the model's {kind} changed after the declaration). Declare pu.ema again on the model "
-                        "as it is now, and undeclare this one: pu.rules.ema.rule_of(ema_copy).remove(), ema_copy "
-                        "being the averaged copy that pu.ema returned."
-                    )
-                names.append(name)
-                src.append(t)
-                dst.append(b[name])
-                floating = t.is_floating_point() or t.is_complex()
-                avg.append(floating and (kind == "parameters" or self.include_buffers))
-        self._stale = False
-        self.names = names
-        self._src = src  # strong: the rule ends with the model (alive()), not with its tensors
-        self._dst = dst
-        self._avg = avg
-        self._sub = has_subclass(src) or has_subclass(dst)
-        self._pairs = src + dst  # what check() keys on
-        self._first = _slot_of(model, names[0]) if names else None  # where src[0] lives: see refresh()
+    def _averaged(self, src: list[torch.Tensor]) -> list[bool]:
+        """Per pair: averaged (a floating parameter, or buffer if ``include_buffers``), else copied."""
+        return [
+            (t.is_floating_point() or t.is_complex()) and (not b or self.include_buffers)
+            for t, b in zip(src, self._buffer)
+        ]
 
-    def refresh(self, full: bool = False) -> None:
-        """Follow the model's tensors when its module slots hold other objects than at declaration.
+    # --- following the model and its copy by name ----------------------------------------------
+    def current(self) -> list[Any]:
+        return [*self._tensors.current(), *self._copies.current()]
 
-        ``fully_shard`` (FSDP2) replaces every parameter by a sharded ``DTensor``
-        parameter in the same module slot: an EMA declared before sharding
-        then pairs the copy with the new parameters by name, and the copy is
-        sharded the same way (its averages kept, each rank keeping its shard).
-        At each full check one identity check (the first tensor's slot)
-        decides; when ownership is recomputed (``full``), every slot.
-        """
-        first = self._first
-        if first is None:
-            return
-        model = self._followed()
-        if model is None:
-            return
-        owner, attr, kind = first
-        mod = owner()
-        now0 = routing.stored(getattr(mod, kind).get(attr)) if mod is not None else None
-        if sharding.is_sharded(self._src[0]) and not sharding.is_sharded(now0):
-            return  # inside FSDP's forward/backward the slot holds its temporary unsharded parameter
-        if now0 is not None and now0 is not self._src[0]:
-            pass  # the first slot changed (fully_shard replaces them all)
-        elif not full and not self._stale:
-            return
-        else:
-            now = [t for kind in ("parameters", "buffers") for _, t in stored_named(model, kind)]
-            if len(now) == len(self._src) and all(a is b for a, b in zip(now, self._src)):
-                self._stale = False
-                return
-        support = hooks.sharding_support()  # sharding hook: shard the copy like the model
-        if support is not None:
-            support.follow_copy(self.module, model)
-        self._pair(model, self.module)
-        self._key = None
+    def follow(self) -> bool:
+        changed = self._tensors.resync()
+        return self._copies.resync() or changed
 
     def resync(self) -> None:
-        self.refresh(full=True)
+        """Follow the model's and the copy's tensors by name (``fully_shard`` replaces every parameter by a
+        sharded ``DTensor`` in the same slot: the copy is then sharded the same way, its averages kept);
+        raise where the model's names and the copy's no longer agree (a layer added, removed, renamed)."""
+        model = self._followed()
+        if model is not None:
+            _paired(model, self.module, str(self.origin))
+        super().resync()
 
     def _followed(self) -> nn.Module | None:
         """The averaged model: the module ``_path`` names in the module followed (itself, until a module
         it sat in replaced it: :meth:`rebase`); ``None`` if gone."""
-        model = self._model()
-        if model is None or not self._path:
-            return model
+        root = self._tensors.root
+        if root is None or not self._path:
+            return root
         try:
-            return model.get_submodule(self._path)
+            return root.get_submodule(self._path)
         except AttributeError:
             return None
-
-    def root(self) -> Any:
-        return self._model()
 
     def rebase(self, old: Any, parent: Any, name: str) -> None:
         """The averaged model (or a module it sits in) is being replaced in ``parent`` under ``name``:
         average what ``parent`` holds there from now on, by name (the copy keeps its averages)."""
-        if self._model() is not old:
-            return
-        self._model = WatchedRef(parent, rule_died)
-        self._path = f"{name}.{self._path}" if self._path else name
-        self._stale = True
-        state.process.moves += 1
-        self._key = None
-        follow_in(self, parent)
+        if self._tensors.root is old:
+            self._path = f"{name}.{self._path}" if self._path else name
+        super().rebase(old, parent, name)
 
     def lost_names(self) -> list[str]:
-        if self._followed() is None and self._model() is not None:
+        if self._followed() is None and self._tensors.root is not None:
             return [self._path]  # the module averaged is gone from where it was
-        return []
+        return super().lost_names()
+
+    def lost_error(self, model: str, lost: list[str]) -> UpdateError:
+        if self._followed() is None:
+            return super().lost_error(model, lost)
+        at = self._tensors.lost
+        gone = [self._copies.names[i] for i in at] if at and self._copies.names else lost
+        return _gone_error(str(self.origin), gone, "buffers" if at and self._buffer[at[0]] else "parameters")
 
     # --- the step counter t ------------------------------------------------
     @property
@@ -481,12 +433,6 @@ class EMA(Rule):
         self._counter.set(value)
 
     # --- ownership -------------------------------------------------------
-    def alive(self) -> bool:
-        return not self._model.gone  # (not the model itself: see refs.WatchedRef)
-
-    def owner_tensors(self) -> list[torch.Tensor]:
-        return self._src  # (followed anew by resync/check, on the averaged model's own commits)
-
     def same_kind(self) -> Any:
         # an EMA of the same model with the same settings (several EMAs of one model with other
         # decays are a pattern; an EMA of a submodule is another kind)
@@ -507,7 +453,9 @@ class EMA(Rule):
         return [f"the {len(self.names)} tensors of {type(self._followed()).__name__}"]
 
     def tensors(self) -> list[torch.Tensor]:
-        return self._dst
+        """What it writes: the copy's tensors (those this commit's check saw)."""
+        live = self._live
+        return live[len(self.names) :] if live else self._copies.live()
 
     def rows(self, index: ModelIndex) -> list[ScheduleEntry]:
         n = sum(self._avg)
@@ -530,29 +478,76 @@ class EMA(Rule):
         c = 10.0 if w is True else float(w)
         return min(self.decay, (1.0 + t) / (c + t))
 
-    def check(self, ctx: CommitContext) -> None:
-        """Before any write: the pairs still match (a moved model or copy is an error, not a half-update)."""
-        self.refresh()
-        key = storage_key(self._pairs, self._sub)
-        if key != self._key:
-            self.refresh(full=True)  # (a slot may hold a new tensor whose predecessor lives on: Module._apply)
-            self._build()
-            self._key = storage_key(self._pairs, self._sub)  # (_build may have moved or re-paired the copy)
-            self._where = [(t.dtype, t.device) for t in self._src]
-        self._weight = self._weight_now()  # a user warmup callable fails here, before writes
+    @property
+    def gates(self) -> bool:  # type: ignore[override]
+        """Applies under a device verdict (selected; ``t`` counted on the device) unless ``d_t`` needs ``t``
+        on the host (a warmup)."""
+        return self.warmup is None or self.warmup is False
 
-    def _weight_now(self) -> float:
-        """``1 - d_t`` (``t`` is read only where ``d_t`` depends on it: a warmup)."""
-        return 1.0 - (self.decay if self.gates else self.decay_at(self.updates))
+    # --- the plan --------------------------------------------------------------------------------
+    def make_plan(self, ctx: CommitContext, live: list[Any]) -> Any:
+        """Storage changed (the first commit, the model or its copy moved or cast, ``fully_shard``): the copy
+        follows the model (sharded like it, moved or cast with it: :meth:`_follow_model`), every pair is
+        checked before anything is written, and the pairs are grouped: ``[(how, moved, positions)]`` per
+        (averaged, devices, dtypes), ``how`` ``"lerp"`` (same dtype), ``"mixed"`` (dtypes differ) or
+        ``"copy"`` (not averaged), ``moved`` where the copy is on another device. ``live``'s copy half is
+        updated in place where the copy's tensors were made anew."""
+        n = len(self.names)
+        missing = [name for name, d in zip(self.names, live[n:]) if d is None]
+        if missing:
+            raise _new_name_error(str(self.origin), missing[0], "parameters")
+        self._follow_copy(live)
+        self._follow_model(live)
+        src, dst = live[:n], live[n:]
+        _refuse_mismatch(str(self.origin), self.names, src, dst, self._expected)
+        self._sub = has_subclass(src + dst)
+        self._avg = self._averaged(src)
+        self._where = [(t.dtype, t.device) for t in src]
+        groups: dict[tuple[Any, ...], list[int]] = {}
+        for i, (s, d, a) in enumerate(zip(src, dst, self._avg)):
+            groups.setdefault((a, d.device, d.dtype, s.device, s.dtype), []).append(i)
+        return [
+            ("lerp" if a and dt == st else "mixed" if a else "copy", sd != dd, idx)
+            for (a, dd, dt, sd, st), idx in groups.items()
+        ]
 
-    def fingerprint(self) -> list[torch.Tensor] | None:
-        return self._pairs
+    def bind(self, ctx: CommitContext, live: list[Any]) -> Any:
+        """The foreach lists of plain aliases (``common.aliases``) of the pairs' local shards; ``None`` in a
+        traced commit, which takes the tensors themselves (dynamo guards them already)."""
+        return None if torch.compiler.is_compiling() else self._lists(live, aliases)
 
-    def revalidate(self, ctx: CommitContext, held: list[torch.Tensor], bound: Any = None) -> bool:
-        if self._key is None:
-            return False
-        self._weight = self._weight_now()
-        return True
+    def _lists(self, live: list[Any], alias: Callable[[list[torch.Tensor]], list[torch.Tensor]] = list) -> Any:
+        """``(lerp, mixed, copied, moved)``, the arguments of :func:`_multi_tensor_ema`, from :attr:`plan`."""
+        n = len(self.names)
+        src, dst = sharding.locals_of(live[:n]), sharding.locals_of(live[n:])
+        out: tuple[list, list, list, list] = ([], [], [], [])
+        for how, moved, idx in self.plan:
+            d, s = alias([dst[i] for i in idx]), alias([src[i] for i in idx])
+            if moved:
+                out[3].append((d, s, how))
+            else:
+                out[_HOW.index(how)].append((d, s))
+        return out
+
+    def ready(self, ctx: CommitContext) -> None:
+        """``1 - d_t`` for this commit (``t`` is read only where ``d_t`` depends on it: a warmup); a user
+        warmup callable fails here, before anything is written."""
+        w = self.warmup
+        self._weight = 1.0 - (self.decay if w is None or w is False else self.decay_at(self.updates))
+
+    def run(self, ctx: CommitContext, live: list[Any], args: Any) -> None:
+        ok = ctx.ok
+        with plain_if(self._sub):
+            if not self.foreach:  # the reference path: one pair at a time
+                n = len(self.names)
+                _single_tensor_ema(live[n:], live[:n], self._avg, self._weight, ok)
+            else:
+                lists = args if args is not None and not torch.compiler.is_compiling() else self._lists(live)
+                if ok is not None:
+                    _gated_multi_tensor_ema(*lists, self._weight, ok)
+                else:
+                    _multi_tensor_ema(*lists, self._weight)
+        self._counter.count(ok)
 
     def _expected(self, dtype: torch.dtype, device: torch.device) -> tuple[torch.dtype, torch.device]:
         """The dtype and device of the copy of a model tensor of ``dtype`` on ``device``."""
@@ -561,120 +556,53 @@ class EMA(Rule):
             self._device if self._device is not None else device
         )
 
-    def _follow_model(self) -> None:
+    def _follow_copy(self, live: list[Any]) -> None:
+        """The model was sharded (``fully_shard``) since the copy was made: shard the copy the same way (the
+        sharding hook), and pair with its new tensors."""
+        n = len(self.names)
+        support = hooks.sharding_support()  # sharding hook: shard the copy like the model
+        model = self._followed()
+        if support is None or model is None or not sharding.any_sharded(live[:n]) or sharding.any_sharded(live[n:]):
+            return
+        support.follow_copy(self.module, model)
+        self._copies.resync()
+        live[n:] = self._copies.current()
+
+    def _follow_model(self, live: list[Any]) -> None:
         """The copy follows the model's device and dtype (what ``dtype=`` / ``device=`` did not pin):
         when the *model* was moved or cast since the last commit (``model.to()``, ``.half()``,
         ``to_empty()``, ``load_state_dict(assign=True)``), the copy's tensors are moved or cast the
         same way (in place: they stay the same objects). A copy moved on its own (the model as
-        before) is left as it is, and refused by :meth:`_build`. A copy made of a model on the
+        before) is left as it is, and refused by :func:`_refuse_mismatch`. A copy made of a model on the
         ``meta`` device has no values: once the model has them, the copy starts as a copy of them
         (the average of no update), with its counter at 0."""
-        model = self._followed()
-        if model is None or not self._src or any(t.is_meta for t in self._src):
-            return  # (a model on meta: refused by _build)
+        n = len(self.names)
+        src, dst = live[:n], live[n:]
+        if self._followed() is None or not src or any(t.is_meta for t in src):
+            return  # (a model on meta: refused by _refuse_mismatch)
         seen = self._where
         moved = [
             i
-            for i, s in enumerate(self._src)
+            for i, s in enumerate(src)
             if i < len(seen) and (s.dtype, s.device) != seen[i] and not sharding.is_sharded(s)
         ]
         if not moved:
             return
         with no_subclass(), torch.no_grad():
-            if any(self._dst[i].is_meta for i in moved):
-                self.module.to_empty(device=self._device if self._device is not None else self._src[0].device)
-                self._pair(model, self.module)
-                for s, d in zip(self._src, self._dst):
-                    if s.shape == d.shape and not sharding.is_sharded(s):
+            if any(dst[i].is_meta for i in moved):
+                self.module.to_empty(device=self._device if self._device is not None else src[0].device)
+                self._copies.resync()
+                live[n:] = dst = self._copies.current()
+                for s, d in zip(src, dst):
+                    if d is not None and s.shape == d.shape and not sharding.is_sharded(s):
                         d.copy_(s.detach().to(d.device))
                 self._counter.set(0)
             for i in moved:
-                s, d = self._src[i], self._dst[i]
+                s, d = src[i], dst[i]
                 if s.shape != d.shape or sharding.is_sharded(d) or (d.dtype, d.device) != self._expected(*seen[i]):
-                    continue  # (the copy was changed too: refused by _build, with the reason)
+                    continue  # (the copy was changed too: refused by _refuse_mismatch, with the reason)
                 dtype, device = self._expected(s.dtype, s.device)
                 d.data = d.detach().to(device=device, dtype=dtype)
-
-    def _build(self) -> None:
-        self._follow_model()
-        with no_subclass():
-            for name, s, d in zip(self.names, self._src, self._dst):
-                dtype = self._dtype if self._dtype is not None and s.is_floating_point() else s.dtype
-                device = self._device if self._device is not None else s.device
-                if s.is_meta:
-                    raise UpdateError(
-                        f"pu.ema (declared at {self.origin}): {name!r} of the model is on the meta device (it has no "
-                        "values). Materialize the model first (model.to_empty(device=...) and initialize it, or "
-                        "load_state_dict(..., assign=True)); the averaged copy then starts as a copy of it."
-                    )
-                if (
-                    s.shape != d.shape
-                    or d.dtype != dtype
-                    or d.device != device
-                    or sharding.is_sharded(s) != sharding.is_sharded(d)
-                    or (sharding.is_sharded(s) and tuple(s.placements) != tuple(d.placements))
-                ):
-                    expect = (
-                        where(s)
-                        if (dtype, device) == (s.dtype, s.device)
-                        else (f"{device}/{str(dtype).removeprefix('torch.')}/{tuple(s.shape)} (as declared)")
-                    )
-                    raise UpdateError(
-                        f"pu.ema (declared at {self.origin}): {name!r} is {where(s)} in the model but {where(d)} in "
-                        f"the averaged copy, which should be {expect}. Move or cast the copy the same way as the "
-                        "model (ema_model.to(...)), or declare pu.ema again (dtype=/device= keep the copy in "
-                        "another dtype or on another device). Nothing of this step was written."
-                    )
-            groups: dict[tuple[Any, ...], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-            for s, d, a in zip(self._src, self._dst, self._avg):
-                key = (a, d.device, d.dtype, s.device, s.dtype)
-                groups.setdefault(key, ([], []))
-                # DTensors (FSDP2): the copy is sharded like the model, so each rank averages its shard
-                groups[key][0].append(sharding.local(d))
-                groups[key][1].append(sharding.local(s))
-            self._lerp, self._mixed, self._copy, self._moved = [], [], [], []
-            for (a, dd, dt, sd, st), (dsts, srcs) in groups.items():
-                if sd != dd:
-                    self._moved.append((dsts, srcs, "lerp" if a and dt == st else "mixed" if a else "copy"))
-                elif not a:
-                    self._copy.append((dsts, srcs))
-                elif dt == st:
-                    self._lerp.append((dsts, srcs))
-                else:
-                    self._mixed.append((dsts, srcs))
-            self._aliased = None  # (made by the first eager commit: _lists)
-
-    def _lists(self) -> tuple[Any, ...]:
-        """The foreach lists: eagerly of plain aliases (``common.aliases``, made once per build); in a
-        traced commit the tensors themselves, which dynamo guards already (an alias made or read there
-        would be one more tensor to guard, or a graph output)."""
-        if torch.compiler.is_compiling():
-            return self._lerp, self._mixed, self._copy, self._moved
-        if self._aliased is None:
-            self._aliased = (
-                [(aliases(d), aliases(s)) for d, s in self._lerp],
-                [(aliases(d), aliases(s)) for d, s in self._mixed],
-                [(aliases(d), aliases(s)) for d, s in self._copy],
-                [(aliases(d), aliases(s), how) for d, s, how in self._moved],
-            )
-        return self._aliased
-
-    @property
-    def gates(self) -> bool:  # type: ignore[override]
-        """Applies under a device verdict (selected; ``t`` counted on the device) unless ``d_t`` needs ``t``
-        on the host (a warmup)."""
-        return self.warmup is None or self.warmup is False
-
-    def apply(self, ctx: CommitContext) -> None:
-        ok = ctx.ok
-        with plain_if(self._sub):
-            if not self.foreach:  # the reference path: one pair at a time
-                _single_tensor_ema(self._dst, self._src, self._avg, self._weight, ok)
-            elif ok is not None:
-                _gated_multi_tensor_ema(*self._lists(), self._weight, ok)
-            else:
-                _multi_tensor_ema(*self._lists(), self._weight)
-        self._counter.count(ok)
 
     # --- state -------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -695,7 +623,87 @@ class EMA(Rule):
         return c.t, (None if c.skipped is None else c.skipped.clone())  # (not read: no wait)
 
     def restore(self, saved: Any) -> None:
+        super().restore(saved)
         self._counter.t, self._counter.skipped = saved
+
+
+_HOW = ("lerp", "mixed", "copy")
+
+
+def _paired(
+    model: nn.Module, module: nn.Module, origin: str
+) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]], list[bool]]:
+    """Each tensor of ``model`` (its stored parameters, then buffers: not a pending value a slot shows,
+    rule 1) and the tensor of the same name in its copy ``module``, and whether it is a buffer; raises
+    where their names differ."""
+    named: list[tuple[str, torch.Tensor]] = []
+    copies: list[tuple[str, torch.Tensor]] = []
+    buffer: list[bool] = []
+    for kind in ("parameters", "buffers"):
+        a = dict(stored_named(model, kind))
+        b = dict(getattr(module, f"named_{kind}")())
+        gone = [n for n in b if n not in a and n != COUNTER]
+        if gone:
+            raise _gone_error(origin, gone, kind)
+        for name, t in a.items():
+            if name not in b:
+                raise _new_name_error(origin, name, kind)
+            named.append((name, t))
+            copies.append((name, b[name]))
+            buffer.append(kind == "buffers")
+    return named, copies, buffer
+
+
+def _gone_error(origin: str, gone: list[str], kind: str) -> UpdateError:
+    """The copy has ``gone``, which the model no longer has."""
+    return UpdateError(
+        f"pu.ema (declared at {origin}): the averaged copy has {listed(list(map(repr, gone)))}, "
+        f"which the model no longer has (its {kind} changed after the declaration: a layer removed, "
+        "renamed or wrapped). Nothing of this step was written. Declare pu.ema again on the model as "
+        "it is now (and .remove() the old one: paramupdates.rules.ema.rule_of(copy).remove())."
+    )
+
+
+def _new_name_error(origin: str, name: str, kind: str) -> UpdateError:
+    """The model has ``name``, which its copy has not."""
+    return UpdateError(
+        f"pu.ema (declared at {origin}): the model has {name!r}, which its averaged copy has "
+        f"not (the model's {kind} changed after the declaration). Declare pu.ema again on the model "
+        "as it is now, and undeclare this one: pu.rules.ema.rule_of(ema_copy).remove(), ema_copy "
+        "being the averaged copy that pu.ema returned."
+    )
+
+
+def _refuse_mismatch(origin: str, names: list[str], src: list[Any], dst: list[Any], expected: Callable) -> None:
+    """Raise, before anything is written, where a pair cannot be averaged: the model on the meta device,
+    or the copy not of the model's shape, sharding, and dtype and device (``expected``: as declared)."""
+    with no_subclass():
+        for name, s, d in zip(names, src, dst):
+            dtype, device = expected(s.dtype, s.device)
+            if s.is_meta:
+                raise UpdateError(
+                    f"pu.ema (declared at {origin}): {name!r} of the model is on the meta device (it has no "
+                    "values). Materialize the model first (model.to_empty(device=...) and initialize it, or "
+                    "load_state_dict(..., assign=True)); the averaged copy then starts as a copy of it."
+                )
+            if (
+                s.shape != d.shape
+                or d.dtype != dtype
+                or d.device != device
+                or sharding.is_sharded(s) != sharding.is_sharded(d)
+                or (sharding.is_sharded(s) and tuple(s.placements) != tuple(d.placements))
+            ):
+                expect = (
+                    where(s)
+                    if (dtype, device) == (s.dtype, s.device)
+                    else (f"{device}/{str(dtype).removeprefix('torch.')}/{tuple(s.shape)} (as declared)")
+                )
+                raise UpdateError(
+                    f"pu.ema (declared at {origin}): {name!r} is {where(s)} in the model but {where(d)} in "
+                    f"the averaged copy, which should be {expect}. Move or cast the copy the same way as the "
+                    "model (ema_model.to(...)), or declare pu.ema again (dtype=/device= keep the copy in "
+                    "another dtype or on another device). Nothing of this step was written."
+                )
 
 
 def _single_tensor_ema(
@@ -814,9 +822,9 @@ def ema(
 
     The returned module is a deep copy of ``model`` (in ``eval()`` mode, no
     ``requires_grad``) to evaluate with; of a ``torch.compile(model)``, a copy
-    of the module it compiles (its ``state_dict`` loads into the plain model). Tensors are bound at declaration:
-    replacing a parameter or buffer object of ``model`` later (rather than
-    writing it in place) is not followed. ``pu.rules.ema.rule_of(copy)`` is
+    of the module it compiles (its ``state_dict`` loads into the plain model). The model's tensors are
+    followed by name (rule 12): a parameter, buffer or layer of ``model`` replaced later is averaged
+    under its name, into the averages kept so far. ``pu.rules.ema.rule_of(copy)`` is
     the rule: ``.updates`` (``t``), and ``.remove()``, which undeclares the
     EMA (the copy stops being averaged). ``foreach=False`` runs the
     per-tensor reference path (``a.lerp_(p, 1 - d_t)`` pair by pair; bitwise the same result).
@@ -826,7 +834,28 @@ def ema(
         raise TypeError(f"pu.ema at {origin}: expected a torch.nn.Module, got {type(model).__name__}")
     model = _compiled_from(model)
     refuse_inside_step("pu.ema", origin, [*model.parameters(), *model.buffers()])
-    decay = float(decay)
+    decay = _checked_settings(model, float(decay), warmup, dtype, origin)
+    dev = torch.device(device) if device is not None else None
+    check_declared(list(model.named_parameters()), model, "pu.ema", origin)
+    support = hooks.sharding_support()  # sharding hook: a sharded model gets a copy sharded the same way
+    module = support.copy_module(model) if support is not None else None
+    if module is None:
+        module = copy.deepcopy(model)
+    module.requires_grad_(False)
+    module.eval()
+    if dev is not None or dtype is not None:
+        module.to(device=dev, dtype=dtype)
+    rule = EMA(model, module, decay, warmup, bool(include_buffers), origin, dtype=dtype, device=dev)
+    rule.foreach = foreach is not False
+    register(rule)
+    state.process.ema_copies[module] = weakref.ref(rule)
+    return module
+
+
+def _checked_settings(model: nn.Module, decay: float, warmup: Warmup, dtype: Any, origin: str) -> float:
+    """``decay`` once :func:`ema`'s arguments are found valid: ``decay`` in [0, 1], ``warmup`` a preset,
+    ``True``, a positive number, a :class:`TimmWarmup` or a callable, ``dtype`` floating, and ``model`` not
+    an averaged copy."""
     if not 0.0 <= decay <= 1.0 or math.isnan(decay):
         raise ValueError(f"pu.ema at {origin}: decay must be in [0, 1], got {decay}")
     if isinstance(warmup, str):
@@ -845,21 +874,7 @@ def ema(
             f"pu.ema at {origin}: the model is an averaged copy (it carries an EMA counter); "
             "declare the EMA on the trained model"
         )
-    dev = torch.device(device) if device is not None else None
-    check_declared(list(model.named_parameters()), model, "pu.ema", origin)
-    support = hooks.sharding_support()  # sharding hook: a sharded model gets a copy sharded the same way
-    module = support.copy_module(model) if support is not None else None
-    if module is None:
-        module = copy.deepcopy(model)
-    module.requires_grad_(False)
-    module.eval()
-    if dev is not None or dtype is not None:
-        module.to(device=dev, dtype=dtype)
-    rule = EMA(model, module, decay, warmup, bool(include_buffers), origin, dtype=dtype, device=dev)
-    rule.foreach = foreach is not False
-    register(rule)
-    state.process.ema_copies[module] = weakref.ref(rule)
-    return module
+    return decay
 
 
 def _compiled_from(model: nn.Module) -> nn.Module:
@@ -873,17 +888,6 @@ def _compiled_from(model: nn.Module) -> nn.Module:
     while wrapper is not None and isinstance(model, wrapper):
         model = model._orig_mod
     return model
-
-
-def _slot_of(model: nn.Module, name: str) -> tuple[weakref.ref, str, str] | None:
-    """``(module, attr, "_parameters" or "_buffers")`` of the tensor called ``name`` in ``model``."""
-    prefix, _, attr = name.rpartition(".")
-    try:
-        mod = model.get_submodule(prefix)
-    except AttributeError:
-        return None
-    kind = "_parameters" if attr in mod._parameters else "_buffers"
-    return weakref.ref(mod), attr, kind
 
 
 def rule_of(averaged: nn.Module) -> EMA:

@@ -333,17 +333,9 @@ class WeightDecay(DeclaredRule):
         return [1.0 - (groups[gi]["lr"] if self.scale_by_lr else 1.0) * self.rates[i] for i, gi in zip(idx, gis)]
 
     # --- the commit -----------------------------------------------------------------------------------
-    def check(self, ctx: CommitContext) -> None:
-        super().check(ctx)
-        self._refuse_double(ctx)
-
-    def revalidate(self, ctx: CommitContext, held: list[torch.Tensor], bound: Any = None) -> bool:
-        if not super().revalidate(ctx, held, bound):
-            return False
-        self._refuse_double(ctx)
-        return True
-
-    def _refuse_double(self, ctx: CommitContext) -> None:
+    def ready(self, ctx: CommitContext) -> None:
+        """Refuse, at every commit, the parameters whose param group decays them already (a group's own
+        ``weight_decay`` set since the plan was made is in the plan key)."""
         double = self.plan[2] if self.plan is not None else []
         if double:
             self._live = []

@@ -87,6 +87,15 @@ class Journal:
         self.entries: dict[int, Entry] = {}
         self.aliases: dict[int, Entry] = {}  # id(pending value) -> its entry
         self.aliases_stale = False  # set when a compiled graph installed pending values
+        # Loose records (a pu.nn module's statistics, targets with nothing else pending): no entries made
+        # (settle() makes them when something else touches a target); the commit copies loose_src into
+        # loose_dst (the targets, plain) in one pass. loose_ids: id(target) and id(pending value) -> the
+        # record's place in loose (rebuilt after a compiled graph added records: loose_ids_stale).
+        self.loose: list[Record] = []
+        self.loose_dst: list[torch.Tensor] = []
+        self.loose_src: list[torch.Tensor] = []
+        self.loose_ids: dict[int, int] = {}
+        self.loose_ids_stale = False
         self.order: list[Record] = []  # issue order: what the schedule shows
         self.by_phase: dict[str, list[Entry]] = {}  # phase -> the entries with records in it
         # the phases with an entry whose pending value the commit may not take as is (a target with records
@@ -112,6 +121,33 @@ class Journal:
             groups = opt.param_groups if opt is not None else ()
             self._opt_ids = set(map(id, itertools.chain.from_iterable(map(_params_of, groups))))  # (in C)
         return self._opt_ids
+
+    def settle(self, how: Lookup = EAGER) -> None:
+        """Make the entries of the loose records (:meth:`record_batch`), in their place in the issue
+        order: what a reader of one of their targets (a second record, a read, a recomputation,
+        ``pu.func``) or of every entry asks first. What reads show does not change."""
+        loose, self.loose = self.loose, []
+        self.loose_dst, self.loose_src, self.loose_ids = [], [], {}
+        for rec in loose:
+            targets, values = rec.targets, rec.values
+            rec.targets = rec.values = None
+            entries = [self.find(t, True, how) for t in targets]  # type: ignore[union-attr]
+            if any(e is None for e in entries):  # (the model changed under the step's records)
+                lost = [i.name for i, e in zip(rec.infos, entries) if e is None]  # type: ignore[arg-type]
+                raise UpdateError(
+                    f"{', '.join(map(repr, lost))}, updated at {rec.origin}, no longer belong to this step's "
+                    "model (replaced after the update was issued?): issue the update again after the change."
+                )
+            rec.entries = entries  # type: ignore[assignment]
+            self._take_values(rec, entries, values, how, show=False)  # type: ignore[arg-type]
+
+    def rebuild_loose_ids(self) -> None:
+        ids: dict[int, int] = {}
+        for i, rec in enumerate(self.loose):
+            for t, v in zip(rec.targets, rec.values):  # type: ignore[arg-type]
+                ids[id(t)] = ids[id(v)] = i
+        self.loose_ids = ids
+        self.loose_ids_stale = False
 
     def rebuild_aliases(self) -> None:
         self.aliases = {id(x.value): x for x in self.entries.values() if x.value is not None}
@@ -140,7 +176,9 @@ class Journal:
                 and e.generation == self.index.generation
                 and e.trainable == self._trainable(t, how)
             ):
-                e.value, e.records, e.phases, e.swapped, e.sync = None, [], set(), False, None
+                e.value, e.swapped, e.sync = None, False, None
+                e.records.clear()  # (last step's: nothing reads them once it closed)
+                e.phases.clear()
                 e.journal = self
                 self.entries[id(t)] = e
                 if e.sharded:
@@ -175,7 +213,9 @@ class Journal:
     def holds(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is the pending value of one of this step's targets, found by identity (what
         dynamo traces without guarding on ``id()`` of a tensor made in a step)."""
-        return any(e.value is t for e in self.entries.values())
+        return any(v is t for rec in self.loose for v in rec.values) or any(  # type: ignore[union-attr]
+            e.value is t for e in self.entries.values()
+        )
 
     def _trainable(self, t: torch.Tensor, how: Lookup) -> bool:
         """Whether the optimizer also updates ``t``: it requires grad and, when the step has an
@@ -367,13 +407,13 @@ class Journal:
             for e, _op, _operand, new in plain:
                 self._store(e, rec, new, how, placed=True)
 
-    def _batch_entries(self, updates: list[tuple[torch.Tensor, str, Any, torch.Tensor]], how: Lookup) -> list | None:
-        """The entries of the targets of ``updates`` (made or reused), if every one can take
+    def _batch_entries(self, targets: list[torch.Tensor], how: Lookup) -> list | None:
+        """The entries of ``targets`` (made or reused), if every one can take
         :meth:`record_batch`'s path (a buffer or a non-trainable parameter of the model, not synced, not
         a ``pu.Parameter``, not sharded), else None."""
         if how.traced:
             out = []
-            for t, _op, _operand, _new in updates:
+            for t in targets:
                 e = None if t.requires_grad else self.find(t, True, how)
                 if e is None or e.trainable or e.sync is not None or e.shows == overlay.PARAM or e.sharded:
                     return None
@@ -384,7 +424,7 @@ class Journal:
             self.rebuild_aliases()
         entries, aliases, reuse, gen = self.entries, self.aliases, self.reuse, self.index.generation
         out = []
-        for t, _op, _operand, _new in updates:
+        for t in targets:
             k = id(t)
             e = entries.get(k)
             if e is None or e.target is not t:
@@ -398,7 +438,9 @@ class Journal:
                         and e.generation == gen
                         and not e.trainable
                     ):
-                        e.value, e.records, e.phases, e.swapped, e.sync = None, [], set(), False, None
+                        e.value, e.swapped, e.sync = None, False, None
+                        e.records.clear()  # (last step's: nothing reads them once it closed)
+                        e.phases.clear()
                         e.journal = self
                         entries[k] = e
                     else:
@@ -415,37 +457,145 @@ class Journal:
     ) -> bool:
         """Record auxiliary updates whose values the caller computed (``pu.nn``'s statistics:
         ``(target, op, operand, new value)``) as one :class:`Record`: the path of
-        :meth:`record_computed` without its per-target checks. False (nothing recorded) unless every
-        target can take it (:meth:`_batch_entries`) and no recomputation, checkpointed segment,
-        backward or committed auxiliary phase is in the way."""
+        :meth:`record_computed` without its per-target checks. A loose record (no entries: its pending
+        values shown through the module slots, listed for the commit's one copy, found by ``id()``)
+        when no target has anything else pending (:meth:`_loose_infos`), else on the targets' entries
+        (:meth:`_record_on_entries`, eager only). False (nothing recorded) unless one of those takes
+        them, and no recomputation, checkpointed segment, backward or committed auxiliary phase is in
+        the way."""
         if _local.replay is not None or _local.eager_log is not None or AUXILIARY in self.done_phases:
             return False
         if not how.traced and (_graph_task_id() != -1 or (_saved_hooks(True) and hooks.in_segment())):
             return False
-        entries = self._batch_entries(updates, how)
+        infos = self._loose_infos(updates, how)
+        if infos is None:
+            return False if how.traced else self._record_on_entries(updates, origin, how)
+        cond = _local.conditions[-1]
+        pred = cond if isinstance(cond, torch.Tensor) else None
+        ops: list[str] = []
+        operands: list[Any] = []
+        targets: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        rec = Record([], ops, operands, None, pred, AUXILIARY, None, origin, targets, infos, values)
+        dst, src = self.loose_dst, self.loose_src
+        i = len(self.loose)
+        ids = None if how.traced else self.loose_ids
+        inference = ids is not None and torch.is_inference_mode_enabled()
+        for info, (t, op, operand, new) in zip(infos, updates):
+            ops.append(op)
+            operands.append(operand)
+            if new.requires_grad:
+                new = new.detach()
+            if pred is not None:
+                new = torch.where(pred, new, t)
+            if inference:
+                new = normal(new)  # (see _made_without_grad)
+            targets.append(t)
+            values.append(new)
+            dst.append(t if type(t) in _PLAIN else overlay.plain(t))
+            src.append(new)
+            if ids is not None:
+                ids[id(t)] = ids[id(new)] = i
+            slots = info.slots
+            if slots is not None and slots.get(info.attr) is t:
+                slots[info.attr] = new  # read-your-writes through the module attribute (rule 1)
+        if ids is None:
+            self.loose_ids_stale = True  # (id() of a tensor made in a graph: after the graph)
+        self.loose.append(rec)
+        self.order.append(rec)  # what the schedule shows
+        self.shown = True
+        return True
+
+    def _loose_infos(self, updates: list[tuple[torch.Tensor, str, Any, torch.Tensor]], how: Lookup) -> list | None:
+        """The index's info of each target of ``updates`` if they can make a loose record (each a
+        buffer or a non-trainable parameter of the model, not a ``pu.Parameter``, not sharded, with
+        nothing pending), else None."""
+        infos = []
+        if how.traced:
+            index = self.index
+            for t, _op, _operand, _new in updates:
+                if t.requires_grad or self._pending(t):  # (by identity first: id() of a pending value is a guard)
+                    return None
+                info = index.lookup(t)
+                if info is None or info.shows == overlay.PARAM or info.sharded:
+                    return None
+                infos.append(info)
+            return infos
+        # (one pass of dict look-ups: this runs for every batch norm of every step)
+        if self.aliases_stale:
+            self.rebuild_aliases()
+        if self.loose_ids_stale:
+            self.rebuild_loose_ids()
+        entries, aliases, ids, by_id = self.entries, self.aliases, self.loose_ids, self.index.by_id
+        for t, _op, _operand, _new in updates:
+            k = id(t)
+            if t.requires_grad or k in entries or k in aliases or k in ids:
+                return None  # pending already (or maybe: the entries' path finds out)
+            info = by_id.get(k)  # the index as built (no rebuild on a miss: the general path does that)
+            if info is None or info.ref() is not t or info.shows == overlay.PARAM or info.sharded:
+                return None
+            infos.append(info)
+        return infos
+
+    def _record_on_entries(
+        self, updates: list[tuple[torch.Tensor, str, Any, torch.Tensor]], origin: Any, how: Lookup
+    ) -> bool:
+        """:meth:`record_batch` on the targets' entries (some target has something pending: a second
+        forward of the module in the step); False unless every target can take it
+        (:meth:`_batch_entries`)."""
+        if self.loose:
+            self.settle()  # (a target of this call may be one of theirs)
+        entries = self._batch_entries([u[0] for u in updates], how)
         if entries is None:
             return False
         cond = _local.conditions[-1]
         pred = cond if isinstance(cond, torch.Tensor) else None
-        inference = not how.traced and torch.is_inference_mode_enabled()
+        inference = torch.is_inference_mode_enabled()
         ops: list[str] = []
         operands: list[Any] = []
+        values: list[torch.Tensor] = []
         rec = Record(entries, ops, operands, None, pred, AUXILIARY, None, origin)
         self.order.append(rec)
-        bucket = self.by_phase.get(AUXILIARY)
-        if bucket is None:
-            bucket = self.by_phase[AUXILIARY] = []
-        aliases = None if how.traced else self.aliases  # (eager: Lookup.valued, inlined)
         for e, (_t, op, operand, new) in zip(entries, updates):
             ops.append(op)
             operands.append(operand)
             if new.requires_grad:
                 new = new.detach()
-            old = e.value
             if pred is not None:
+                old = e.value
                 new = torch.where(pred, new, e.target if old is None else old)
             if inference:
                 new = normal(new)  # (see _made_without_grad)
+            values.append(new)
+        self._take_values(rec, entries, values, how)
+        return True
+
+    def _pending(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is a target or pending value of this step, found by identity (traced)."""
+        for e in self.entries.values():
+            if e.target is t or e.value is t:
+                return True
+        for rec in self.loose:
+            for x in rec.targets:  # type: ignore[union-attr]
+                if x is t:
+                    return True
+            for x in rec.values:  # type: ignore[union-attr]
+                if x is t:
+                    return True
+        return False
+
+    def _take_values(
+        self, rec: Record, entries: list[Entry], values: list[torch.Tensor], how: Lookup, show: bool = True
+    ) -> None:
+        """Make ``values[k]`` the pending value of ``entries[k]``, ``rec`` their latest record, and
+        (``show``) show them through the module slots. A slot already showing it (a loose record's
+        value, :meth:`settle`) is noted as such."""
+        bucket = self.by_phase.get(AUXILIARY)
+        if bucket is None:
+            bucket = self.by_phase[AUXILIARY] = []
+        aliases = None if how.traced else self.aliases  # (eager: Lookup.valued, inlined)
+        for e, new in zip(entries, values):
+            old = e.value
             e.records.append(rec)
             if AUXILIARY not in e.phases:
                 e.phases.add(AUXILIARY)
@@ -462,11 +612,12 @@ class Journal:
             slots = e.slots  # (overlay.show, inlined)
             if slots is not None:
                 cur = slots.get(e.attr)
-                if cur is e.target or (old is not None and cur is old):
+                if cur is new:
+                    e.swapped = True
+                elif show and (cur is e.target or (old is not None and cur is old)):
                     slots[e.attr] = new  # read-your-writes through the module attribute (rule 1)
                     e.swapped = True
-                self.shown = True
-        return True
+                    self.shown = True
 
     def _store(
         self, e: Entry, rec: Record, new: torch.Tensor, how: Lookup, show: bool = True, placed: bool = False
@@ -502,10 +653,15 @@ class Journal:
 
     def pending_names(self) -> list[str]:
         """The qualified names of the targets with pending updates."""
-        return [e.name for e in self.entries.values() if e.value is not None]
+        names = [e.name for e in self.entries.values() if e.value is not None]
+        for rec in self.loose:
+            names += rec.names()
+        return names
 
     def pending_name_of(self, t: torch.Tensor) -> str | None:
         """The name of ``t`` if it is a target with pending updates, or the pending value of one."""
+        if self.loose:
+            self.settle()  # (names an update's target: not on a step's path)
         e = self.entries.get(id(t))
         if e is not None and e.target is t and e.value is not None:
             return e.name
@@ -522,6 +678,15 @@ class Journal:
         e = self.aliases.get(id(v))
         if e is not None and e.value is v:
             return e.target, e.slots
+        if self.loose:
+            if self.loose_ids_stale:
+                self.rebuild_loose_ids()
+            i = self.loose_ids.get(id(v))
+            if i is not None:
+                rec = self.loose[i]
+                for t, x, info in zip(rec.targets, rec.values, rec.infos):  # type: ignore[arg-type]
+                    if x is v:
+                        return t, info.slots
         return None
 
     def current_of(self, e: Entry) -> torch.Tensor:
@@ -535,7 +700,7 @@ class Journal:
     def read(self, t: torch.Tensor, how: Lookup = EAGER) -> torch.Tensor:
         """The value of ``t`` as this step sees it (pending or stored), as a plain tensor."""
         k = id(t)
-        if not (how.traced or self.aliases_stale or k in self.entries or k in self.aliases):
+        if not (how.traced or self.loose or self.aliases_stale or k in self.entries or k in self.aliases):
             if _local.replay is None:  # (not a target, nor a pending value, of this step: as it is)
                 return t if type(t) in _PLAIN else overlay.plain(t)
         e = self.find(t, False, how)
@@ -551,6 +716,15 @@ class Journal:
         if not self.shown:
             return
         self.shown = False
+        for rec in self.loose:
+            for t, value, info in zip(rec.targets, rec.values, rec.infos):  # type: ignore[arg-type]
+                slots = info.slots
+                if slots is not None:
+                    cur = slots.get(info.attr)
+                    if cur is value:
+                        slots[info.attr] = t
+                    elif cur is not t:
+                        self._replaced(info.name, t, cur)
         for e in self.entries.values():
             slots = e.slots
             if slots is not None:  # overlay.hide, inlined: this loop runs over every target, every step
@@ -609,6 +783,13 @@ class Journal:
 
     def show_pending(self) -> None:
         """Show the values still pending (those of phases not committed yet) again."""
+        if self.loose and AUXILIARY not in self.done_phases:
+            for rec in self.loose:
+                for t, value, info in zip(rec.targets, rec.values, rec.infos):  # type: ignore[arg-type]
+                    slots = info.slots
+                    if slots is not None and slots.get(info.attr) is t:
+                        slots[info.attr] = value
+            self.shown = True
         for e in self.entries.values():
             if e.value is not None and e.phases - self.done_phases:
                 self.set_value(e, e.value)
@@ -626,7 +807,8 @@ class Journal:
         self.state = "closed"
         self.aliases = {}
         for rec in self.order:
-            rec.operands = None  # (the schedule shows op, condition and origin only)
+            rec.operands = rec.targets = rec.values = None  # (the schedule shows op, condition and origin only)
+        self.loose, self.loose_dst, self.loose_src, self.loose_ids = [], [], [], {}
         for e in self.entries.values():
             e.value = None
             e.journal = None

@@ -37,12 +37,21 @@ class Lookup:
         return capture(depth + 1, False)
 
     def entry(self, j: Any, t: torch.Tensor) -> Entry | None:
-        """The entry of ``j`` whose target or pending value is ``t``."""
+        """The entry of ``j`` whose target or pending value is ``t`` (a loose record's: its entries
+        are made first, ``Journal.settle``)."""
+        if j.loose:
+            if j.loose_ids_stale:
+                j.rebuild_loose_ids()
+            if id(t) in j.loose_ids:
+                j.settle(self)
         e = j.entries.get(id(t))
         if e is not None and e.target is t:
             return e
         if j.aliases_stale:
             j.rebuild_aliases()
+            e = j.entries.get(id(t))
+            if e is not None and e.target is t:
+                return e
         e = j.aliases.get(id(t))
         if e is not None and e.value is t:
             return e
@@ -72,6 +81,8 @@ class Traced(Lookup):
         return support.call_site() if support is not None else "<compiled>"
 
     def entry(self, j: Any, t: torch.Tensor) -> Entry | None:
+        if j.loose and any(x is t for rec in j.loose for x in (*rec.targets, *rec.values)):
+            j.settle(self)
         for e in j.entries.values():
             if e.target is t or e.value is t:
                 return e

@@ -5,7 +5,9 @@
 * :class:`Record`: one call that issued updates (one per target it updates: ``pu.assign`` one, a
   batch norm's call three), with their condition, phase, sync and call site; a journal's issue
   order is its records;
-* :class:`Entry`: a target with pending updates in one journal (its records, its pending value).
+* :class:`Entry`: a target with pending updates in one journal (its records, its pending value),
+  made when a second record, a read or the commit needs it: a record whose targets have nothing
+  else pending (a batch norm's statistics, the common case) keeps their pending values itself.
 
 """
 
@@ -54,8 +56,11 @@ class Record:
     sync and call site.
 
     The journal's issue order is a list of records (what ``schedule()`` shows), and each entry lists
-    its records. When the step is over (``Journal.close``) a record drops its operands (the schedule
-    shows the op, the condition and the origin).
+    its records. A record of a ``pu.nn`` module's statistics whose targets have nothing else pending
+    is *loose*: it has no entries, and keeps its ``targets``, their ``infos`` and the pending
+    ``values`` itself until something else touches one of them (``Journal.settle`` then makes the
+    entries) or the step ends. When the step is over (``Journal.close``) a record drops its operands
+    and tensors (the schedule shows the op, the condition and the origin).
     """
 
     entries: list[Entry]
@@ -66,6 +71,13 @@ class Record:
     phase: str
     sync: str | None
     origin: Any  # an origin.Origin, or a string while dynamo traces
+    targets: list[torch.Tensor] | None = None  # a loose record's targets, and
+    infos: list[TargetInfo] | None = None  # where they live (their names: what the schedule shows)
+    values: list[torch.Tensor] | None = None  # their pending values
+
+    def names(self) -> list[str]:
+        """The qualified names of the targets, in order."""
+        return [x.name for x in (self.entries or self.infos or ())]
 
 
 @dataclass(eq=False, slots=True)

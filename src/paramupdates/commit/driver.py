@@ -56,7 +56,7 @@ from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 from .. import accounting, hooks, overlay, sharding, state
 from ..errors import UpdateError, listed
 from ..ops import apply_op, select_
-from ..phases import AFTER_OPTIMIZER, BEFORE_GRAD, GRAD, PHASES
+from ..phases import AFTER_OPTIMIZER, AFTER_STEP, AUXILIARY, BEFORE_GRAD, GRAD, PHASES
 from ..records import Entry
 from ..rules.base import CommitContext, Rule, rules_for
 from ..schedule import Schedule, ScheduleEntry
@@ -309,7 +309,7 @@ class Commit:
         together (one small all-reduce, unless the sync carried it), and no write may go into a
         parameter whose memory FSDP has freed."""
         j = self.journal
-        if not j.entries or not self._model_sharded():
+        if not (j.entries or j.loose) or not self._model_sharded():
             return remote_bad
         self._guard_storage()
         if self.options.checks_finite and not agreed:
@@ -413,6 +413,8 @@ class Commit:
         unsharded parameters by resizing their storage to 0 bytes, and a write there would be a write
         into freed memory."""
         j = self.journal
+        if any(not sharding.storage_ok(t) for rec in j.loose for t in rec.targets):  # type: ignore[union-attr]
+            j.settle()  # name the target below
         for e in j.entries.values():
             if not sharding.storage_ok(e.target):
                 self._end("aborted")
@@ -427,6 +429,11 @@ class Commit:
     def before_optimizer(self) -> None:
         """Check every declared rule (before any write), then apply phase ``before_grad``."""
         j = self.journal
+        if self.rules and j.loose:
+            # a loose record's target written by a rule before its phase folds like any entry's: settle
+            written = {id(t) for r in self.rules if r.phase != AFTER_STEP for t in r.tensors()}
+            if any(id(t) in written for rec in j.loose for t in rec.targets):  # type: ignore[union-attr]
+                j.settle()
         if self.rules:
             ctx = self._context()
             if self.ruleset is not None:
@@ -539,7 +546,7 @@ class Commit:
         j = self.journal
         j.hide()
         for phase in AFTER_OPTIMIZER:
-            if phase in self._phase_rules or phase in j.by_phase:
+            if phase in self._phase_rules or phase in j.by_phase or (j.loose and phase == AUXILIARY):
                 self.run_phase(phase)
             else:
                 j.done_phases.add(phase)  # (nothing to apply: run_phase would only say so)
@@ -645,7 +652,7 @@ class Commit:
                 cond = "-" if r.cond is None else "when(tensor)"
                 sync = f" sync={r.sync}" if r.sync else ""
                 origin = str(r.origin)
-                rows += [ScheduleEntry(phase, e.name, op + sync, cond, origin) for e, op in zip(r.entries, r.ops)]
+                rows += [ScheduleEntry(phase, name, op + sync, cond, origin) for name, op in zip(r.names(), r.ops)]
         return rows
 
     # ------------------------------------------------------------------
@@ -657,30 +664,32 @@ class Commit:
         if rules := self._phase_rules.get(phase):
             self._apply_rules(rules)
         in_phase = j.by_phase.get(phase, ())
-        if not in_phase:
+        loose = phase == AUXILIARY and bool(j.loose)  # (their targets have this phase alone, nothing wrote them)
+        if not in_phase and not loose:
             j.done_phases.add(phase)
             return
         if self._dirty_pending:
             self._flush_dirty()
         dirty = self._dirty
+        # A target updated in this phase alone, that nothing wrote before, takes its pending value as
+        # is: every target, when nothing in this commit or journal can have made one stale. (A synced
+        # target, rule 9, commits its reduced value: it has one phase, is not trainable and no rule
+        # writes it, as checked before.)
+        every = not dirty and phase not in j.mixed and not j.any_sharded
+        later = phase != BEFORE_GRAD and GRAD in j.done_phases  # the optimizer may have written trainables
+        fast_dst: list[torch.Tensor] = j.loose_dst[:] if loose else []
+        fast_src: list[torch.Tensor] = j.loose_src[:] if loose else []
         slow: list[Entry] = []
-        if not dirty and phase not in j.mixed and not j.any_sharded:  # every target takes its pending value
-            fast_dst = [e.raw if e.raw is not None else _raw(e) for e in in_phase]
-            fast_src: list[torch.Tensor] = [e.value for e in in_phase]  # type: ignore[misc]
-        else:
-            fast_dst, fast_src = [], []
-            later = phase != BEFORE_GRAD and GRAD in j.done_phases  # the optimizer may have written trainables
-            for e in in_phase:
-                # A target updated in this phase alone, that nothing wrote before, takes its pending value
-                # as is. (A synced target, rule 9, commits its reduced value: it has one phase, is not
-                # trainable and no rule writes it, as checked before.)
-                if e.sync is not None or (
-                    len(e.phases) == 1 and not (dirty and id(e) in dirty) and not (later and e.trainable)
-                ):
-                    fast_dst.append(e.raw if e.raw is not None else _raw(e))
-                    fast_src.append(sharding.local(e.value) if e.sharded else e.value)  # type: ignore[arg-type]
-                else:
-                    slow.append(e)
+        for e in in_phase:
+            if (
+                every
+                or e.sync is not None
+                or (len(e.phases) == 1 and not (dirty and id(e) in dirty) and not (later and e.trainable))
+            ):
+                fast_dst.append(e.raw if e.raw is not None else _raw(e))
+                fast_src.append(sharding.local(e.value) if e.sharded else e.value)  # type: ignore[arg-type]
+            else:
+                slow.append(e)
         if rb.enabled:
             rb.protect(fast_dst + [_raw(e) for e in slow])
         ok = self.ok

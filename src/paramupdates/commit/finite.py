@@ -25,7 +25,9 @@ from ..records import Entry
 
 def pending_values(j: Any, unsynced: bool = False) -> list[torch.Tensor]:
     """Every pending value of ``j``'s entries (``unsynced``: but those of synced entries)."""
-    return [e.value for e in j.entries.values() if e.value is not None and not (unsynced and e.sync is not None)]
+    return [
+        e.value for e in j.entries.values() if e.value is not None and not (unsynced and e.sync is not None)
+    ] + j.loose_src  # (a loose record's target is never synced)
 
 
 def finite_flag(values: list[torch.Tensor], sharded: bool = False, grads: list[torch.Tensor] = ()) -> bool | None:
@@ -148,6 +150,7 @@ def nonfinite(j: Any, grads: list[torch.Tensor], sharded: bool) -> tuple[list[En
     ok = finite_flag(pending_values(j), sharded, grads)
     if ok is None or ok:
         return [], []
+    j.settle()  # name them: loose records get their entries
     entries = list(j.entries.values())
     bad = [
         e

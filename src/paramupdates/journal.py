@@ -476,7 +476,7 @@ class Journal:
         operands: list[Any] = []
         targets: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
-        rec = Record([], ops, operands, None, pred, AUXILIARY, None, origin, targets, infos, values)
+        rec = Record((), ops, operands, None, pred, AUXILIARY, None, origin, targets, infos, values)
         dst, src = self.loose_dst, self.loose_src
         i = len(self.loose)
         ids = None if how.traced else self.loose_ids

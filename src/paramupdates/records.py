@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -63,7 +64,7 @@ class Record:
     and tensors (the schedule shows the op, the condition and the origin).
     """
 
-    entries: list[Entry]
+    entries: Sequence[Entry]  # () while loose
     ops: list[str]
     operands: list[Any] | None
     key: Any  # pu.assign_key's key (a single update)

@@ -11,13 +11,13 @@ discarded, so that every call records into a fresh journal:
 * ``torch``: ``torch.nn.BatchNorm1d``, which writes its running statistics
   into its buffers inside the graph;
 * ``pu``: ``pu.nn.BatchNorm1d`` as it records: every statistic (150) is a graph
-  output, and dynamo's replay of the recording makes a row for each batch norm
-  call (its three statistics) and shows each statistic in the module's buffer
+  output, and dynamo's replay of the recording makes a record for each batch norm
+  call (its three statistics), an entry per statistic, and shows each statistic in the module's buffer
   slot (read-your-writes, rule 1);
 * ``pu, values only`` (diagnostic): the recording, while dynamo traces, keeps
-  only the values (one list extend per batch norm): still 150 outputs, no rows,
+  only the values (one list extend per batch norm): still 150 outputs, no records,
   nothing shown. Not a working step (it could not commit): it separates what
-  the outputs cost from what the rows cost;
+  the outputs cost from what the records cost;
 * ``pu, nothing recorded`` (diagnostic): the statistics are dead code (the
   floor of a forward that computes its batch statistics and keeps none).
 
@@ -45,18 +45,19 @@ import paramupdates as pu
 from benchmarks.launch_bound import build, data
 from paramupdates.journal import Journal
 
-_record_rows = Journal.record_rows
+_record_batch = Journal.record_batch
+_KEPT: list[torch.Tensor] = []  # the values-only variant's values (a graph output each)
 
 
 def _values_only(self, updates, origin, how):  # noqa: ANN001, ANN202 - a diagnostic stand-in
     if how.traced:
-        self.row_src.extend([u[3] for u in updates])
+        _KEPT.extend([u[3] for u in updates])
         return True
-    return _record_rows(self, updates, origin, how)
+    return _record_batch(self, updates, origin, how)
 
 
 def _nothing(self, updates, origin, how):  # noqa: ANN001, ANN202 - a diagnostic stand-in
-    return True if how.traced else _record_rows(self, updates, origin, how)
+    return True if how.traced else _record_batch(self, updates, origin, how)
 
 
 class _Discard(Exception):
@@ -64,7 +65,7 @@ class _Discard(Exception):
 
 
 def _variant(bn: type[nn.Module], backend: str, record=None):  # noqa: ANN001, ANN202
-    """A timed call of the compiled forward (compiled now, with ``record`` as ``Journal.record_rows``)."""
+    """A timed call of the compiled forward (compiled now, with ``record`` as ``Journal.record_batch``)."""
     cpu = torch.device("cpu")
     x, _ = data(cpu)
     model, opt = build(bn, cpu)
@@ -90,12 +91,12 @@ def _variant(bn: type[nn.Module], backend: str, record=None):  # noqa: ANN001, A
                 pass
             return took
 
-    Journal.record_rows = record if record is not None else _record_rows
+    Journal.record_batch = record if record is not None else _record_batch
     try:
         for _ in range(3):  # compile (with this recording) and warm up
             call()
     finally:
-        Journal.record_rows = _record_rows
+        Journal.record_batch = _record_batch
     return call
 
 

@@ -390,3 +390,29 @@ def test_one_value_per_channel_in_training_raises_torchs_error_and_writes_nothin
     with pu.step(model):
         bn(torch.randn(2, *shape[1:]))  # the next step records and commits as usual
     assert int(bn.num_batches_tracked) == 1
+
+
+def test_a_forward_is_one_record_and_a_later_update_of_a_statistic_folds_after_it():
+    """A batch norm's call is one record of its three statistics (kept on the record while nothing else
+    touches them); an update of one of them later in the step, and a second forward, fold after it in
+    issue order, bitwise what torch's in-place writes in that order leave."""
+    ref, mod = _pair(nn.BatchNorm1d, pu.nn.BatchNorm1d, 0.1, True, True)
+    x1, x2 = torch.randn(8, 4), torch.randn(8, 4)
+    block = pu.step(mod)
+    with block as s:
+        mod(x1)
+        (rec,) = block._journal.order
+        assert sorted(rec.names()) == ["num_batches_tracked", "running_mean", "running_var"] and not rec.entries
+        pu.assign_add(mod.running_mean, 1.0)  # reads the pending mean: the record's values
+        mod(x2)
+        pu.assign_sub(mod.running_var, 0.25)
+    ref(x1)
+    with torch.no_grad():
+        ref.running_mean.add_(1.0)
+    ref(x2)
+    with torch.no_grad():
+        ref.running_var.sub_(0.25)
+    _assert_modules(ref, mod)
+    ops = [(r.target, r.op) for r in s.schedule()]
+    three = [(n, op) for n, op in zip(rec.names(), rec.ops)]
+    assert ops == three + [("running_mean", "assign_add")] + three + [("running_var", "assign_sub")]

@@ -66,7 +66,8 @@ def functional_call(
         )
     finally:
         routing.leave(j)
-        j.absorb()
+        if j.loose:
+            j.settle()
         updates = {e.name: e.value for e in j.entries.values() if e.value is not None}
         j.discard()
     return out, updates

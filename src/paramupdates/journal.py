@@ -1,8 +1,15 @@
 """The journal of a step: what was issued, and what reads see (rules 1, 2, 5, 6 of ``docs/design.md``).
 
-An update issued inside a step is validated at its call site (phase, shape,
-dtype kind, device) and recorded as a :class:`Record` (op, operand,
-condition, phase, origin) on the :class:`Entry` of its target. The target's
+One representation of what a step issued: each call that issues updates is one :class:`Record`
+(its ops, operands, condition, phase, sync, call site: one update for ``pu.assign`` & co., one per
+statistic for a ``pu.nn`` module's call), appended to the journal's issue order (what the schedule
+shows) and to the :class:`Entry` of each target it updates, which holds the target's pending value.
+The commit folds the records of each phase per entry (one copy when a phase's record is a target's
+only one), the same for every kind of call.
+
+An update issued inside a step is validated at its call site (phase, shape, dtype kind, device);
+the statistics a ``pu.nn`` module computed take :meth:`Journal.record_batch` (the checks that do
+not depend on the target, once per call). The target's
 pending value is computed out of place (``ops.apply_op``) and shown to later
 reads (``overlay``): read-your-writes in program order (rule 1). No storage
 is written (deferred commit, rule 2): saved tensors stay valid, version counters do not move.
@@ -32,7 +39,7 @@ from .lookup import EAGER, Lookup
 from .ops import apply_op, as_issued, check_operand, normal, overwritten
 from .origin import issued as issued_by
 from .phases import AUXILIARY, ISSUE_PHASES, RECORD_PHASES
-from .records import Entry, Issued, Record, Row
+from .records import Entry, Record
 from .targets import ModelIndex
 
 _graph_task_id = torch._C._current_graph_task_id
@@ -80,16 +87,20 @@ class Journal:
         self.entries: dict[int, Entry] = {}
         self.aliases: dict[int, Entry] = {}  # id(pending value) -> its entry
         self.aliases_stale = False  # set when a compiled graph installed pending values
-        self.order: list[Issued | Row] = []  # issue order: what the schedule shows
-        # Rows: auxiliary updates whose values a module computed (pu.nn's statistics), of targets with
-        # nothing else pending, kept as one Row per module call instead of an entry and a record per
-        # update (record_rows); made into entries when anything else touches them (absorb).
-        self.rows: list[Row] = []
-        self.row_dst: list[torch.Tensor] = []  # per update of a row, the target to write at commit (plain)
-        self.row_src: list[torch.Tensor] = []  # per update of a row, its pending value
-        self.row_ids: dict[int, int] = {}  # id(target) and id(pending value) -> index into rows
-        self.row_ids_stale = False  # set when a compiled graph added rows
+        # Loose records (a pu.nn module's statistics, targets with nothing else pending): no entries made
+        # (settle() makes them when something else touches a target); the commit copies loose_src into
+        # loose_dst (the targets, plain) in one pass. loose_ids: id(target) and id(pending value) -> the
+        # record's place in loose (rebuilt after a compiled graph added records: loose_ids_stale).
+        self.loose: list[Record] = []
+        self.loose_dst: list[torch.Tensor] = []
+        self.loose_src: list[torch.Tensor] = []
+        self.loose_ids: dict[int, int] = {}
+        self.loose_ids_stale = False
+        self.order: list[Record] = []  # issue order: what the schedule shows
         self.by_phase: dict[str, list[Entry]] = {}  # phase -> the entries with records in it
+        # the phases with an entry whose pending value the commit may not take as is (a target with records
+        # in several phases, or a trainable one, which the optimizer writes): those fold per entry
+        self.mixed: set[str] = set()
         self.synced: list[Entry] = []  # the entries with a sync= update (distributed sync, rule 9)
         self.shown = False  # some pending value is shown (hide() has something to do)
         self.any_sharded = False  # some entry's target is a DTensor (its values are checked through local shards)
@@ -111,23 +122,40 @@ class Journal:
             self._opt_ids = set(map(id, itertools.chain.from_iterable(map(_params_of, groups))))  # (in C)
         return self._opt_ids
 
+    def settle(self, how: Lookup = EAGER) -> None:
+        """Make the entries of the loose records (:meth:`record_batch`), in their place in the issue
+        order: what a reader of one of their targets (a second record, a read, a recomputation,
+        ``pu.func``) or of every entry asks first. What reads show does not change."""
+        loose, self.loose = self.loose, []
+        self.loose_dst, self.loose_src, self.loose_ids = [], [], {}
+        for rec in loose:
+            targets, values = rec.targets, rec.values
+            rec.targets = rec.values = None
+            entries = [self.find(t, True, how) for t in targets]  # type: ignore[union-attr]
+            if any(e is None for e in entries):  # (the model changed under the step's records)
+                lost = [i.name for i, e in zip(rec.infos, entries) if e is None]  # type: ignore[arg-type]
+                raise UpdateError(
+                    f"{', '.join(map(repr, lost))}, updated at {rec.origin}, no longer belong to this step's "
+                    "model (replaced after the update was issued?): issue the update again after the change."
+                )
+            rec.entries = entries  # type: ignore[assignment]
+            self._take_values(rec, entries, values, how, show=False)  # type: ignore[arg-type]
+
+    def rebuild_loose_ids(self) -> None:
+        ids: dict[int, int] = {}
+        for i, rec in enumerate(self.loose):
+            for t, v in zip(rec.targets, rec.values):  # type: ignore[arg-type]
+                ids[id(t)] = ids[id(v)] = i
+        self.loose_ids = ids
+        self.loose_ids_stale = False
+
     def rebuild_aliases(self) -> None:
         self.aliases = {id(x.value): x for x in self.entries.values() if x.value is not None}
         self.aliases_stale = False
 
-    def rebuild_row_ids(self) -> None:
-        ids: dict[int, int] = {}
-        for i, row in enumerate(self.rows):
-            for t, v in zip(row.targets, row.values):  # type: ignore[arg-type]
-                ids[id(t)] = ids[id(v)] = i
-        self.row_ids = ids
-        self.row_ids_stale = False
-
     def find(self, t: torch.Tensor, create: bool = True, how: Lookup = EAGER) -> Entry | None:
         """The entry of target ``t`` (or of a pending value read from it); ``create``: make one for a
         target of the model."""
-        if self.rows and how.in_rows(self, t):
-            self.absorb(how)
         e = how.entry(self, t)
         if e is not None:
             return e
@@ -148,7 +176,9 @@ class Journal:
                 and e.generation == self.index.generation
                 and e.trainable == self._trainable(t, how)
             ):
-                e.value, e.records, e.phases, e.swapped, e.sync = None, [], set(), False, None
+                e.value, e.swapped, e.sync = None, False, None
+                e.records.clear()  # (last step's: nothing reads them once it closed)
+                e.phases.clear()
                 e.journal = self
                 self.entries[id(t)] = e
                 if e.sharded:
@@ -183,31 +213,9 @@ class Journal:
     def holds(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is the pending value of one of this step's targets, found by identity (what
         dynamo traces without guarding on ``id()`` of a tensor made in a step)."""
-        return any(v is t for row in self.rows for v in row.values) or any(  # type: ignore[union-attr]
+        return any(v is t for rec in self.loose for v in rec.values) or any(  # type: ignore[union-attr]
             e.value is t for e in self.entries.values()
         )
-
-    def absorb(self, how: Lookup = EAGER) -> None:
-        """Make every row's updates entries with their records (in the row's place in the issue order)."""
-        if not self.rows:
-            return
-        self.rows = []
-        self.row_ids, self.row_dst, self.row_src = {}, [], []
-        order: list[Issued | Row] = []
-        for item in self.order:
-            if not isinstance(item, Row):
-                order.append(item)
-                continue
-            for t, op, operand, value in zip(item.targets, item.ops, item.operands, item.values):  # type: ignore[arg-type]
-                e = self.find(t, True, how)
-                assert e is not None and e.value is None  # a row's target has nothing else pending
-                rec = Record(op, operand, None, item.cond, AUXILIARY, None, item.origin)
-                # shown as the row was (after hide(), not at all): the overlay is not touched here
-                self._store(e, rec, value, how, show=False, placed=True)
-                order.append(Issued(e, rec))
-                if e.slots is not None and e.slots.get(e.attr) is value:
-                    e.swapped = True
-        self.order = order
 
     def _trainable(self, t: torch.Tensor, how: Lookup) -> bool:
         """Whether the optimizer also updates ``t``: it requires grad and, when the step has an
@@ -273,7 +281,7 @@ class Journal:
         if replay is not None:
             replay.set_value(self, e, new)  # issued again by a recomputation: only its view moves
             return
-        self._store(e, Record(op, issued, key, pred, phase, sync, origin), new, how)
+        self._store(e, Record([e], [op], [issued], key, pred, phase, sync, origin), new, how)
 
     def _phase_of(self, e: Entry, op: str, phase: str | None, sync: str | None, origin: Any) -> str:
         """The phase an update of ``e`` is recorded in: ``phase``, or ``auxiliary`` for ``None`` on a
@@ -368,7 +376,8 @@ class Journal:
     ) -> None:
         """Several internal auxiliary updates whose new values the caller computed (``pu.nn``'s
         statistics: ``(entry, op, operand, new value)``), checked together: what :meth:`record`
-        checks that does not depend on the target, once."""
+        checks that does not depend on the target, once. One :class:`Record` for all of them but
+        those of a trainable or synced target, which :meth:`record` takes one by one."""
         replay = _local.replay
         if self.done_phases and AUXILIARY in self.done_phases:
             self.record(items[0][0], "assign", items[0][3], None, None, sync, origin, True, how)  # raises
@@ -377,6 +386,7 @@ class Journal:
         cond = _local.conditions[-1]
         pred = cond if isinstance(cond, torch.Tensor) else None
         inference = not how.traced and torch.is_inference_mode_enabled()
+        plain: list[tuple[Entry, str, Any, torch.Tensor]] = []
         for e, op, operand, new in items:
             if e.trainable or sync is not None or e.sync is not None:
                 self.record(e, op, operand, None, None, sync, origin, True, how, new)  # the general path
@@ -388,79 +398,226 @@ class Journal:
             if replay is not None:
                 replay.set_value(self, e, new)
             else:
-                self._store(e, Record(op, operand, None, pred, AUXILIARY, None, origin), new, how)
+                plain.append((e, op, operand, new))
+        if plain:
+            rec = Record(
+                [x[0] for x in plain], [x[1] for x in plain], [x[2] for x in plain], None, pred, AUXILIARY, None, origin
+            )
+            self.order.append(rec)
+            for e, _op, _operand, new in plain:
+                self._store(e, rec, new, how, placed=True)
 
-    def _row_infos(self, updates: list[tuple[torch.Tensor, str, Any, torch.Tensor]], how: Lookup) -> list | None:
-        """The index's info of each target of ``updates`` if every one can be a row (a buffer or a
-        non-trainable parameter of the model with nothing pending), else None."""
-        infos = []
+    def _batch_entries(self, targets: list[torch.Tensor], how: Lookup) -> list | None:
+        """The entries of ``targets`` (made or reused), if every one can take
+        :meth:`record_batch`'s path (a buffer or a non-trainable parameter of the model, not synced, not
+        a ``pu.Parameter``, not sharded), else None."""
         if how.traced:
-            for t, _op, _operand, _new in updates:
-                if t.requires_grad or how.entry(self, t) is not None or (self.rows and how.in_rows(self, t)):
+            out = []
+            for t in targets:
+                e = None if t.requires_grad else self.find(t, True, how)
+                if e is None or e.trainable or e.sync is not None or e.shows == overlay.PARAM or e.sharded:
                     return None
-                info = self.index.peek(t)
-                if info is None or info.shows == overlay.PARAM or sharding.is_sharded(t):
-                    return None
-                infos.append(info)
-            return infos
-        # (one pass of dict look-ups: this runs for every batch norm of every step)
-        if self.row_ids_stale:
-            self.rebuild_row_ids()
-        entries, aliases, ids, by_id = self.entries, self.aliases, self.row_ids, self.index.by_id
-        for t, _op, _operand, _new in updates:
+                out.append(e)
+            return out
+        # (dict look-ups and the reuse of last step's entry inlined: this runs for every batch norm of every step)
+        if self.aliases_stale:
+            self.rebuild_aliases()
+        entries, aliases, reuse, gen = self.entries, self.aliases, self.reuse, self.index.generation
+        out = []
+        for t in targets:
             k = id(t)
-            if t.requires_grad or k in entries or k in aliases or k in ids:
-                return None  # pending already (or maybe: the general path finds out)
-            info = by_id.get(k)  # the index as built (no rebuild on a miss: the general path does that)
-            if info is None or info.ref() is not t or info.shows == overlay.PARAM or info.sharded:
+            e = entries.get(k)
+            if e is None or e.target is not t:
+                e = aliases.get(k)
+                if e is None or e.value is not t:  # not pending yet: last step's entry, or a new one
+                    e = reuse.get(k) if reuse is not None else None
+                    if (
+                        e is not None
+                        and e.target is t
+                        and e.journal is None
+                        and e.generation == gen
+                        and not e.trainable
+                    ):
+                        e.value, e.swapped, e.sync = None, False, None
+                        e.records.clear()  # (last step's: nothing reads them once it closed)
+                        e.phases.clear()
+                        e.journal = self
+                        entries[k] = e
+                    else:
+                        e = None if t.requires_grad else self.find(t, True, how)
+                        if e is None:
+                            return None
+            if e.trainable or e.sync is not None or e.shows == overlay.PARAM or e.sharded:
                 return None
-            infos.append(info)
-        return infos
+            out.append(e)
+        return out
 
-    def record_rows(self, updates: list[tuple[torch.Tensor, str, Any, torch.Tensor]], origin: Any, how: Lookup) -> bool:
-        """Record auxiliary updates whose values the caller computed (``pu.nn``'s statistics) as one
-        :class:`Row`: the fast path of :meth:`record_computed`. False (nothing recorded) unless
-        every target is a buffer or a non-trainable parameter of the model with nothing pending, and
-        no recomputation, checkpointed segment, backward or committed auxiliary phase is in the way."""
+    def record_batch(
+        self, updates: list[tuple[torch.Tensor, str, Any, torch.Tensor]], origin: Any, how: Lookup
+    ) -> bool:
+        """Record auxiliary updates whose values the caller computed (``pu.nn``'s statistics:
+        ``(target, op, operand, new value)``) as one :class:`Record`: the path of
+        :meth:`record_computed` without its per-target checks. A loose record (no entries: its pending
+        values shown through the module slots, listed for the commit's one copy, found by ``id()``)
+        when no target has anything else pending (:meth:`_loose_infos`), else on the targets' entries
+        (:meth:`_record_on_entries`, eager only). False (nothing recorded) unless one of those takes
+        them, and no recomputation, checkpointed segment, backward or committed auxiliary phase is in
+        the way."""
         if _local.replay is not None or _local.eager_log is not None or AUXILIARY in self.done_phases:
             return False
         if not how.traced and (_graph_task_id() != -1 or (_saved_hooks(True) and hooks.in_segment())):
             return False
-        infos = self._row_infos(updates, how)
+        infos = self._loose_infos(updates, how)
         if infos is None:
-            return False
+            return False if how.traced else self._record_on_entries(updates, origin, how)
         cond = _local.conditions[-1]
         pred = cond if isinstance(cond, torch.Tensor) else None
-        targets, ops, operands, values = [], [], [], []
-        dst, src = self.row_dst, self.row_src
-        i = len(self.rows)
-        ids = None if how.traced else self.row_ids  # (eager: Lookup.rowed, inlined)
+        ops: list[str] = []
+        operands: list[Any] = []
+        targets: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        rec = Record((), ops, operands, None, pred, AUXILIARY, None, origin, targets, infos, values)
+        dst, src = self.loose_dst, self.loose_src
+        i = len(self.loose)
+        ids = None if how.traced else self.loose_ids
         inference = ids is not None and torch.is_inference_mode_enabled()
-        for (t, op, operand, new), info in zip(updates, infos):
+        for info, (t, op, operand, new) in zip(infos, updates):
+            ops.append(op)
+            operands.append(operand)
             if new.requires_grad:
                 new = new.detach()
             if pred is not None:
                 new = torch.where(pred, new, t)
             if inference:
                 new = normal(new)  # (see _made_without_grad)
-            if ids is None:
-                how.rowed(self, t, new, i)
-            else:
-                ids[id(t)] = ids[id(new)] = i
             targets.append(t)
-            ops.append(op)
-            operands.append(operand)
             values.append(new)
             dst.append(t if type(t) in _PLAIN else overlay.plain(t))
             src.append(new)
+            if ids is not None:
+                ids[id(t)] = ids[id(new)] = i
             slots = info.slots
             if slots is not None and slots.get(info.attr) is t:
                 slots[info.attr] = new  # read-your-writes through the module attribute (rule 1)
-        row = Row(targets, infos, ops, operands, values, pred, origin)
-        self.rows.append(row)
-        self.order.append(row)  # what the schedule shows
+        if ids is None:
+            self.loose_ids_stale = True  # (id() of a tensor made in a graph: after the graph)
+        self.loose.append(rec)
+        self.order.append(rec)  # what the schedule shows
         self.shown = True
         return True
+
+    def _loose_infos(self, updates: list[tuple[torch.Tensor, str, Any, torch.Tensor]], how: Lookup) -> list | None:
+        """The index's info of each target of ``updates`` if they can make a loose record (each a
+        buffer or a non-trainable parameter of the model, not a ``pu.Parameter``, not sharded, with
+        nothing pending), else None."""
+        infos = []
+        if how.traced:
+            index = self.index
+            for t, _op, _operand, _new in updates:
+                if t.requires_grad or self._pending(t):  # (by identity first: id() of a pending value is a guard)
+                    return None
+                info = index.lookup(t)
+                if info is None or info.shows == overlay.PARAM or info.sharded:
+                    return None
+                infos.append(info)
+            return infos
+        # (one pass of dict look-ups: this runs for every batch norm of every step)
+        if self.aliases_stale:
+            self.rebuild_aliases()
+        if self.loose_ids_stale:
+            self.rebuild_loose_ids()
+        entries, aliases, ids, by_id = self.entries, self.aliases, self.loose_ids, self.index.by_id
+        for t, _op, _operand, _new in updates:
+            k = id(t)
+            if t.requires_grad or k in entries or k in aliases or k in ids:
+                return None  # pending already (or maybe: the entries' path finds out)
+            info = by_id.get(k)  # the index as built (no rebuild on a miss: the general path does that)
+            if info is None or info.ref() is not t or info.shows == overlay.PARAM or info.sharded:
+                return None
+            infos.append(info)
+        return infos
+
+    def _record_on_entries(
+        self, updates: list[tuple[torch.Tensor, str, Any, torch.Tensor]], origin: Any, how: Lookup
+    ) -> bool:
+        """:meth:`record_batch` on the targets' entries (some target has something pending: a second
+        forward of the module in the step); False unless every target can take it
+        (:meth:`_batch_entries`)."""
+        if self.loose:
+            self.settle()  # (a target of this call may be one of theirs)
+        entries = self._batch_entries([u[0] for u in updates], how)
+        if entries is None:
+            return False
+        cond = _local.conditions[-1]
+        pred = cond if isinstance(cond, torch.Tensor) else None
+        inference = torch.is_inference_mode_enabled()
+        ops: list[str] = []
+        operands: list[Any] = []
+        values: list[torch.Tensor] = []
+        rec = Record(entries, ops, operands, None, pred, AUXILIARY, None, origin)
+        self.order.append(rec)
+        for e, (_t, op, operand, new) in zip(entries, updates):
+            ops.append(op)
+            operands.append(operand)
+            if new.requires_grad:
+                new = new.detach()
+            if pred is not None:
+                old = e.value
+                new = torch.where(pred, new, e.target if old is None else old)
+            if inference:
+                new = normal(new)  # (see _made_without_grad)
+            values.append(new)
+        self._take_values(rec, entries, values, how)
+        return True
+
+    def _pending(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is a target or pending value of this step, found by identity (traced)."""
+        for e in self.entries.values():
+            if e.target is t or e.value is t:
+                return True
+        for rec in self.loose:
+            for x in rec.targets:  # type: ignore[union-attr]
+                if x is t:
+                    return True
+            for x in rec.values:  # type: ignore[union-attr]
+                if x is t:
+                    return True
+        return False
+
+    def _take_values(
+        self, rec: Record, entries: list[Entry], values: list[torch.Tensor], how: Lookup, show: bool = True
+    ) -> None:
+        """Make ``values[k]`` the pending value of ``entries[k]``, ``rec`` their latest record, and
+        (``show``) show them through the module slots. A slot already showing it (a loose record's
+        value, :meth:`settle`) is noted as such."""
+        bucket = self.by_phase.get(AUXILIARY)
+        if bucket is None:
+            bucket = self.by_phase[AUXILIARY] = []
+        aliases = None if how.traced else self.aliases  # (eager: Lookup.valued, inlined)
+        for e, new in zip(entries, values):
+            old = e.value
+            e.records.append(rec)
+            if AUXILIARY not in e.phases:
+                e.phases.add(AUXILIARY)
+                bucket.append(e)
+                if len(e.phases) > 1:
+                    self.mixed.update(e.phases)
+            e.value = new
+            if aliases is None:
+                self.aliases_stale = True
+            else:
+                if old is not None:
+                    aliases.pop(id(old), None)
+                aliases[id(new)] = e
+            slots = e.slots  # (overlay.show, inlined)
+            if slots is not None:
+                cur = slots.get(e.attr)
+                if cur is new:
+                    e.swapped = True
+                elif show and (cur is e.target or (old is not None and cur is old)):
+                    slots[e.attr] = new  # read-your-writes through the module attribute (rule 1)
+                    e.swapped = True
+                    self.shown = True
 
     def _store(
         self, e: Entry, rec: Record, new: torch.Tensor, how: Lookup, show: bool = True, placed: bool = False
@@ -475,11 +632,13 @@ class Journal:
             if bucket is None:
                 bucket = self.by_phase[phase] = []
             bucket.append(e)  # (no id() of an entry: dynamo cannot replay the id of an object it made)
+            if e.trainable or len(e.phases) > 1:
+                self.mixed.update(e.phases)
         if sync is not None and e.sync is None:
             e.sync = sync
             self.synced.append(e)
         if not placed:
-            self.order.append(Issued(e, rec))
+            self.order.append(rec)
         self.set_value(e, new, how, show)
 
     def set_value(self, e: Entry, new: torch.Tensor, how: Lookup = EAGER, show: bool = True) -> None:
@@ -495,21 +654,20 @@ class Journal:
     def pending_names(self) -> list[str]:
         """The qualified names of the targets with pending updates."""
         names = [e.name for e in self.entries.values() if e.value is not None]
-        for row in self.rows:
-            names.extend(info.name for info in row.infos)
+        for rec in self.loose:
+            names += rec.names()
         return names
 
     def pending_name_of(self, t: torch.Tensor) -> str | None:
         """The name of ``t`` if it is a target with pending updates, or the pending value of one."""
+        if self.loose:
+            self.settle()  # (names an update's target: not on a step's path)
         e = self.entries.get(id(t))
         if e is not None and e.target is t and e.value is not None:
             return e.name
         found = self.stored_of(t)
         if found is not None:
             return self.pending_name_of(found[0])
-        if self.rows and EAGER.in_rows(self, t):
-            row = self.rows[self.row_ids[id(t)]]
-            return row.infos[row.index(t)].name
         return None
 
     def stored_of(self, v: torch.Tensor) -> tuple[torch.Tensor, dict | None] | None:
@@ -520,11 +678,15 @@ class Journal:
         e = self.aliases.get(id(v))
         if e is not None and e.value is v:
             return e.target, e.slots
-        if self.rows and EAGER.in_rows(self, v):
-            row = self.rows[self.row_ids[id(v)]]
-            k = row.index(v)
-            if row.values[k] is v:  # type: ignore[index]
-                return row.targets[k], row.infos[k].slots
+        if self.loose:
+            if self.loose_ids_stale:
+                self.rebuild_loose_ids()
+            i = self.loose_ids.get(id(v))
+            if i is not None:
+                rec = self.loose[i]
+                for t, x, info in zip(rec.targets, rec.values, rec.infos):  # type: ignore[arg-type]
+                    if x is v:
+                        return t, info.slots
         return None
 
     def current_of(self, e: Entry) -> torch.Tensor:
@@ -538,7 +700,7 @@ class Journal:
     def read(self, t: torch.Tensor, how: Lookup = EAGER) -> torch.Tensor:
         """The value of ``t`` as this step sees it (pending or stored), as a plain tensor."""
         k = id(t)
-        if not (how.traced or self.rows or self.aliases_stale or k in self.entries or k in self.aliases):
+        if not (how.traced or self.loose or self.aliases_stale or k in self.entries or k in self.aliases):
             if _local.replay is None:  # (not a target, nor a pending value, of this step: as it is)
                 return t if type(t) in _PLAIN else overlay.plain(t)
         e = self.find(t, False, how)
@@ -554,8 +716,8 @@ class Journal:
         if not self.shown:
             return
         self.shown = False
-        for row in self.rows:
-            for t, value, info in zip(row.targets, row.values, row.infos):  # type: ignore[arg-type]
+        for rec in self.loose:
+            for t, value, info in zip(rec.targets, rec.values, rec.infos):  # type: ignore[arg-type]
                 slots = info.slots
                 if slots is not None:
                     cur = slots.get(info.attr)
@@ -621,9 +783,9 @@ class Journal:
 
     def show_pending(self) -> None:
         """Show the values still pending (those of phases not committed yet) again."""
-        if self.rows and AUXILIARY not in self.done_phases:
-            for row in self.rows:
-                for t, value, info in zip(row.targets, row.values, row.infos):  # type: ignore[arg-type]
+        if self.loose and AUXILIARY not in self.done_phases:
+            for rec in self.loose:
+                for t, value, info in zip(rec.targets, rec.values, rec.infos):  # type: ignore[arg-type]
                     slots = info.slots
                     if slots is not None and slots.get(info.attr) is t:
                         slots[info.attr] = value
@@ -643,13 +805,10 @@ class Journal:
         any more (the last step's schedule keeps the journal: it must not keep a copy of the updated
         tensors alive until the next step)."""
         self.state = "closed"
-        for row in self.rows:  # (each row is an item of the issue order, which the schedule keeps)
-            row.targets = row.values = row.operands = None
-        self.rows, self.row_dst, self.row_src = [], [], []
-        self.row_ids = {}
         self.aliases = {}
+        for rec in self.order:
+            rec.operands = rec.targets = rec.values = None  # (the schedule shows op, condition and origin only)
+        self.loose, self.loose_dst, self.loose_src, self.loose_ids = [], [], [], {}
         for e in self.entries.values():
             e.value = None
             e.journal = None
-            for rec in e.records:
-                rec.operand = None  # (the schedule shows op, condition and origin only)

@@ -37,23 +37,25 @@ class Lookup:
         return capture(depth + 1, False)
 
     def entry(self, j: Any, t: torch.Tensor) -> Entry | None:
-        """The entry of ``j`` whose target or pending value is ``t``."""
+        """The entry of ``j`` whose target or pending value is ``t`` (a loose record's: its entries
+        are made first, ``Journal.settle``)."""
+        if j.loose:
+            if j.loose_ids_stale:
+                j.rebuild_loose_ids()
+            if id(t) in j.loose_ids:
+                j.settle(self)
         e = j.entries.get(id(t))
         if e is not None and e.target is t:
             return e
         if j.aliases_stale:
             j.rebuild_aliases()
+            e = j.entries.get(id(t))
+            if e is not None and e.target is t:
+                return e
         e = j.aliases.get(id(t))
         if e is not None and e.value is t:
             return e
         return None
-
-    def in_rows(self, j: Any, t: torch.Tensor) -> bool:
-        """Whether ``t`` is the target or the pending value of one of ``j``'s rows."""
-        if j.row_ids_stale:
-            j.rebuild_row_ids()
-        i = j.row_ids.get(id(t))
-        return i is not None and j.rows[i].index(t) >= 0
 
     def in_optimizer(self, j: Any, t: torch.Tensor) -> bool:
         """Whether ``t`` is one of the parameters of ``j``'s optimizer."""
@@ -64,10 +66,6 @@ class Lookup:
         if old is not None:
             j.aliases.pop(id(old), None)
         j.aliases[id(new)] = e
-
-    def rowed(self, j: Any, t: torch.Tensor, new: torch.Tensor, i: int) -> None:
-        """A row ``i`` for target ``t`` with pending value ``new`` was added to ``j``."""
-        j.row_ids[id(t)] = j.row_ids[id(new)] = i
 
     reuses = True
     """Whether entries of earlier steps are reused, and plain views of targets made at once."""
@@ -83,13 +81,12 @@ class Traced(Lookup):
         return support.call_site() if support is not None else "<compiled>"
 
     def entry(self, j: Any, t: torch.Tensor) -> Entry | None:
+        if j.loose and any(x is t for rec in j.loose for x in (*rec.targets, *rec.values)):
+            j.settle(self)
         for e in j.entries.values():
             if e.target is t or e.value is t:
                 return e
         return None
-
-    def in_rows(self, j: Any, t: torch.Tensor) -> bool:
-        return any(row.index(t) >= 0 for row in j.rows)
 
     def in_optimizer(self, j: Any, t: torch.Tensor) -> bool:
         support = hooks.tracing()
@@ -99,9 +96,6 @@ class Traced(Lookup):
 
     def valued(self, j: Any, e: Entry, old: torch.Tensor | None, new: torch.Tensor) -> None:
         j.aliases_stale = True
-
-    def rowed(self, j: Any, t: torch.Tensor, new: torch.Tensor, i: int) -> None:
-        j.row_ids_stale = True
 
     reuses = False
 

@@ -2,25 +2,24 @@
 
 * :class:`TargetInfo`: where a tensor lives in a model (its qualified name, owning module,
   attribute, how a read sees its pending value);
-* :class:`Record`: one issued update (op, operand, condition, phase, sync, call site);
-* :class:`Entry`: a target with pending updates in one journal (its records, its pending value);
-* :class:`Row`: the auxiliary updates of one module call whose values the module computed
-  (``pu.nn``'s statistics: a batch norm's three) of targets with nothing else pending: one object
-  for all of them, instead of an entry and a record each;
-* :class:`Issued`: an issued update in a journal's issue order. The order's items are those and
-  rows: what ``schedule()`` shows.
+* :class:`Record`: one call that issued updates (one per target it updates: ``pu.assign`` one, a
+  batch norm's call three), with their condition, phase, sync and call site; a journal's issue
+  order is its records;
+* :class:`Entry`: a target with pending updates in one journal (its records, its pending value),
+  made when a second record, a read or the commit needs it: a record whose targets have nothing
+  else pending (a batch norm's statistics, the common case) keeps their pending values itself.
+
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-
-from .phases import AUXILIARY
 
 if TYPE_CHECKING:
     from .journal import Journal
@@ -52,20 +51,39 @@ class TargetInfo:
 
 @dataclass(eq=False, slots=True)
 class Record:
-    """One issued update."""
+    """One call that issued updates: the ``k``-th folds ``ops[k]`` with ``operands[k]`` into the pending
+    value of ``entries[k]``'s target. ``pu.assign`` & co. issue one update per call; a ``pu.nn`` module's
+    call issues one per statistic it computed (a batch norm's three), under one condition, phase,
+    sync and call site.
 
-    op: str
-    operand: Any
-    key: Any
+    The journal's issue order is a list of records (what ``schedule()`` shows), and each entry lists
+    its records. A record of a ``pu.nn`` module's statistics whose targets have nothing else pending
+    is *loose*: it has no entries, and keeps its ``targets``, their ``infos`` and the pending
+    ``values`` itself until something else touches one of them (``Journal.settle`` then makes the
+    entries) or the step ends. When the step is over (``Journal.close``) a record drops its operands
+    and tensors (the schedule shows the op, the condition and the origin).
+    """
+
+    entries: Sequence[Entry]  # () while loose
+    ops: list[str]
+    operands: list[Any] | None
+    key: Any  # pu.assign_key's key (a single update)
     cond: torch.Tensor | None
     phase: str
     sync: str | None
     origin: Any  # an origin.Origin, or a string while dynamo traces
+    targets: list[torch.Tensor] | None = None  # a loose record's targets, and
+    infos: list[TargetInfo] | None = None  # where they live (their names: what the schedule shows)
+    values: list[torch.Tensor] | None = None  # their pending values
+
+    def names(self) -> list[str]:
+        """The qualified names of the targets, in order."""
+        return [x.name for x in (self.entries or self.infos or ())]
 
 
 @dataclass(eq=False, slots=True)
 class Entry:
-    """A target with pending updates in one journal."""
+    """A target with pending updates in one journal: its records (in issue order) and its pending value."""
 
     target: torch.Tensor
     name: str
@@ -86,49 +104,3 @@ class Entry:
 
     def current(self) -> torch.Tensor:
         return self.target if self.value is None else self.value
-
-
-@dataclass(eq=False, slots=True)
-class Row:
-    """The auxiliary updates of one module call whose values the module computed (``pu.nn``'s
-    statistics), of targets with nothing else pending: the ``k``-th update writes ``values[k]``
-    into ``targets[k]`` (``infos[k]`` says where it lives), shown by the schedule as ``ops[k]``.
-
-    It is its own item in the journal's issue order. When the step is over (``Journal.close``)
-    it drops its tensors but the condition, as a :class:`Record` does: the schedule reads the
-    infos' names, the ops, the condition and the origin.
-    """
-
-    targets: list[torch.Tensor] | None
-    infos: list[TargetInfo]
-    ops: list[str]
-    operands: list[Any] | None
-    values: list[torch.Tensor] | None  # the pending values
-    cond: torch.Tensor | None
-    origin: Any
-
-    @property
-    def phase(self) -> str:
-        return AUXILIARY
-
-    def index(self, t: torch.Tensor) -> int:
-        """``k`` where ``t`` is ``targets[k]`` or ``values[k]`` (-1 if neither)."""
-        for k, x in enumerate(self.targets or ()):
-            if x is t:
-                return k
-        for k, v in enumerate(self.values or ()):
-            if v is t:
-                return k
-        return -1
-
-
-@dataclass(eq=False, slots=True)
-class Issued:
-    """An issued update in a journal's issue order: its entry and its record."""
-
-    entry: Entry
-    record: Record
-
-    @property
-    def phase(self) -> str:
-        return self.record.phase

@@ -165,7 +165,7 @@ def issue_computed(
         origin = how.origin(depth)
     if sync is None:
         j = routing.journal_for(updates[0][0], how)
-        if j is not None and j.record_rows(updates, origin, how):
+        if j is not None and j.record_batch(updates, origin, how):
             return  # the fast path: nothing else pending for these targets
     j, e = _route(updates[0][0], origin, updates[0][1], how, (updates, module))
     if j is None or e is None:  # outside a step: the eager path, with its checks

@@ -57,7 +57,7 @@ from .. import accounting, hooks, overlay, sharding, state
 from ..errors import UpdateError, listed
 from ..ops import apply_op, select_
 from ..phases import AFTER_OPTIMIZER, AFTER_STEP, AUXILIARY, BEFORE_GRAD, GRAD, PHASES
-from ..records import Entry, Issued
+from ..records import Entry
 from ..rules.base import CommitContext, Rule, rules_for
 from ..schedule import Schedule, ScheduleEntry
 from .finite import device_flag, finite_flag, nonfinite, on_one_device, optimizer_grads, pending_values
@@ -113,18 +113,6 @@ class Commit:
         self._dirty: set[int] = set()
         self._dirty_pending: list[list[torch.Tensor]] = []
         self._hidden_grads: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
-        self._row_groups: dict | None = None  # the journal's rows grouped by device and dtype (if checked)
-
-    def _rows_grouped(self) -> dict | None:
-        """The journal's rows, ``_group_tensors_by_device_and_dtype([dst, src])``, for the finiteness
-        check (grouped once; the auxiliary phase's copies then use the groups too, else
-        :func:`copy_pairs`)."""
-        j = self.journal
-        if not j.rows:
-            return None
-        if self._row_groups is None:
-            self._row_groups = _group_tensors_by_device_and_dtype([j.row_dst, j.row_src])
-        return self._row_groups
 
     # ------------------------------------------------------------------
     # the sequence
@@ -263,7 +251,7 @@ class Commit:
         ok = None
         if self.options.checks_finite:
             _params, grads = self._grads_to_check()
-            ok = device_flag(pending_values(self.journal), False, self._rows_grouped(), grads)
+            ok = device_flag(pending_values(self.journal), False, grads)
         found = self._found_inf()
         if found is not None:
             clean = found == 0
@@ -311,7 +299,7 @@ class Commit:
             return 0, False
         local_bad = False
         if opts.checks_finite:
-            ok = finite_flag(pending_values(j, unsynced=True), sharded, self._rows_grouped(), grads)
+            ok = finite_flag(pending_values(j, unsynced=True), sharded, grads)
             local_bad = ok is not None and not bool(ok)
         remote_bad = backend.reduce(self, synced, local_bad)
         return remote_bad, opts.process_group is None and any(not e.sharded for e in synced)
@@ -321,11 +309,11 @@ class Commit:
         together (one small all-reduce, unless the sync carried it), and no write may go into a
         parameter whose memory FSDP has freed."""
         j = self.journal
-        if not (j.entries or j.rows) or not self._model_sharded():
+        if not (j.entries or j.loose) or not self._model_sharded():
             return remote_bad
         self._guard_storage()
         if self.options.checks_finite and not agreed:
-            ok = finite_flag(pending_values(j), sharded, self._rows_grouped(), grads)
+            ok = finite_flag(pending_values(j), sharded, grads)
             remote_bad = hooks.sharding_support().agree_nonfinite(self, ok is not None and not bool(ok))  # type: ignore[union-attr]
         return remote_bad
 
@@ -336,14 +324,14 @@ class Commit:
         the step; or an :class:`UpdateError` naming the non-finite targets or gradients."""
         j, opts = self.journal, self.options
         if opts.on_nonfinite == "skip":  # the verdict only: one read, no names
-            ok = finite_flag(pending_values(j), sharded, self._rows_grouped(), grads)
+            ok = finite_flag(pending_values(j), sharded, grads)
             if (ok is None or ok) and not remote_bad:
                 return True
             self.skipped = True
             self._end("done")
             self._scaler_done()
             return False
-        bad, bad_grads = nonfinite(j, self._rows_grouped(), grads, sharded)
+        bad, bad_grads = nonfinite(j, grads, sharded)
         if not (bad or bad_grads or remote_bad):
             return True
         self._end("aborted")
@@ -425,8 +413,8 @@ class Commit:
         unsharded parameters by resizing their storage to 0 bytes, and a write there would be a write
         into freed memory."""
         j = self.journal
-        if any(not sharding.storage_ok(t) for row in j.rows for t in row.targets):
-            j.absorb()  # name the target below
+        if any(not sharding.storage_ok(t) for rec in j.loose for t in rec.targets):  # type: ignore[union-attr]
+            j.settle()  # name the target below
         for e in j.entries.values():
             if not sharding.storage_ok(e.target):
                 self._end("aborted")
@@ -441,11 +429,11 @@ class Commit:
     def before_optimizer(self) -> None:
         """Check every declared rule (before any write), then apply phase ``before_grad``."""
         j = self.journal
-        if self.rules and j.rows:
-            # a row's target written by a rule before its phase folds like any entry's: make rows entries
+        if self.rules and j.loose:
+            # a loose record's target written by a rule before its phase folds like any entry's: settle
             written = {id(t) for r in self.rules if r.phase != AFTER_STEP for t in r.tensors()}
-            if any(id(t) in written for row in j.rows for t in row.targets):
-                j.absorb()
+            if any(id(t) in written for rec in j.loose for t in rec.targets):  # type: ignore[union-attr]
+                j.settle()
         if self.rules:
             ctx = self._context()
             if self.ruleset is not None:
@@ -558,7 +546,7 @@ class Commit:
         j = self.journal
         j.hide()
         for phase in AFTER_OPTIMIZER:
-            if phase in self._phase_rules or phase in j.by_phase or (j.rows and phase == AUXILIARY):
+            if phase in self._phase_rules or phase in j.by_phase or (j.loose and phase == AUXILIARY):
                 self.run_phase(phase)
             else:
                 j.done_phases.add(phase)  # (nothing to apply: run_phase would only say so)
@@ -610,7 +598,6 @@ class Commit:
 
     def _end(self, state: str) -> None:
         self.state = state
-        self._row_groups = None
         self.journal.close()
         if self.rollback.enabled:  # (without copies it kept nothing to let go of)
             self.rollback.end()
@@ -659,18 +646,13 @@ class Commit:
             for rule in self.rules:
                 if rule.phase == phase:
                     rows.extend(rule.rows(index))
-            for item in order:
-                if item.phase != phase:
+            for r in order:
+                if r.phase != phase:
                     continue
-                if isinstance(item, Issued):
-                    r = item.record
-                    cond = "-" if r.cond is None else "when(tensor)"
-                    sync = f" sync={r.sync}" if r.sync else ""
-                    rows.append(ScheduleEntry(phase, item.entry.name, r.op + sync, cond, str(r.origin)))
-                else:  # a row: its updates
-                    cond = "-" if item.cond is None else "when(tensor)"
-                    origin = str(item.origin)
-                    rows += [ScheduleEntry(phase, i.name, op, cond, origin) for i, op in zip(item.infos, item.ops)]
+                cond = "-" if r.cond is None else "when(tensor)"
+                sync = f" sync={r.sync}" if r.sync else ""
+                origin = str(r.origin)
+                rows += [ScheduleEntry(phase, name, op + sync, cond, origin) for name, op in zip(r.names(), r.ops)]
         return rows
 
     # ------------------------------------------------------------------
@@ -682,40 +664,36 @@ class Commit:
         if rules := self._phase_rules.get(phase):
             self._apply_rules(rules)
         in_phase = j.by_phase.get(phase, ())
-        rows = phase == AUXILIARY and j.rows
-        if not in_phase and not rows:
+        loose = phase == AUXILIARY and bool(j.loose)  # (their targets have this phase alone, nothing wrote them)
+        if not in_phase and not loose:
             j.done_phases.add(phase)
             return
-        fast_dst: list[torch.Tensor] = []
-        fast_src: list[torch.Tensor] = []
-        slow: list[Entry] = []
         if self._dirty_pending:
             self._flush_dirty()
         dirty = self._dirty
+        # A target updated in this phase alone, that nothing wrote before, takes its pending value as
+        # is: every target, when nothing in this commit or journal can have made one stale. (A synced
+        # target, rule 9, commits its reduced value: it has one phase, is not trainable and no rule
+        # writes it, as checked before.)
+        every = not dirty and phase not in j.mixed and not j.any_sharded
         later = phase != BEFORE_GRAD and GRAD in j.done_phases  # the optimizer may have written trainables
+        fast_dst: list[torch.Tensor] = j.loose_dst[:] if loose else []
+        fast_src: list[torch.Tensor] = j.loose_src[:] if loose else []
+        slow: list[Entry] = []
         for e in in_phase:
-            # A target updated in this phase alone, that nothing wrote before, takes its pending value
-            # as is. (A synced target, rule 9, commits its reduced value: it has one phase, is not
-            # trainable and no rule writes it, as checked before.)
-            if e.sync is not None or (
-                len(e.phases) == 1 and not (dirty and id(e) in dirty) and not (later and e.trainable)
+            if (
+                every
+                or e.sync is not None
+                or (len(e.phases) == 1 and not (dirty and id(e) in dirty) and not (later and e.trainable))
             ):
                 fast_dst.append(e.raw if e.raw is not None else _raw(e))
                 fast_src.append(sharding.local(e.value) if e.sharded else e.value)  # type: ignore[arg-type]
             else:
                 slow.append(e)
         if rb.enabled:
-            rb.protect(fast_dst + [_raw(e) for e in slow] + (j.row_dst if rows else []))
+            rb.protect(fast_dst + [_raw(e) for e in slow])
         ok = self.ok
         with no_grad():
-            if rows:
-                if ok is not None:  # under the device verdict: selected, not copied
-                    select_(ok, j.row_dst, j.row_src)
-                elif self._row_groups is None:
-                    copy_pairs(j.row_dst, j.row_src)
-                else:  # (grouped already, for the finiteness check)
-                    for _k, ([dst, src], _) in self._row_groups.items():
-                        torch._foreach_copy_(dst, src)
             if fast_dst:
                 if ok is None:
                     copy_pairs(fast_dst, fast_src)
@@ -727,7 +705,8 @@ class Commit:
                 for r in e.records:
                     if r.phase == phase:
                         # the operands as issued (ops.as_issued); val is never written: no copy of them
-                        val = apply_op(r.op, val, r.operand, r.key, r.cond, True)
+                        k = 0 if len(r.ops) == 1 else r.entries.index(e)  # (identity: Entry has eq=False)
+                        val = apply_op(r.ops[k], val, r.operands[k], r.key, r.cond, True)  # type: ignore[index]
                 if ok is not None:
                     select_(ok, [raw], [val])
                 else:

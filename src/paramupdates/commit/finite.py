@@ -24,40 +24,35 @@ from ..records import Entry
 
 
 def pending_values(j: Any, unsynced: bool = False) -> list[torch.Tensor]:
-    """Every pending value of ``j``'s entries (``unsynced``: but those of synced entries; rows: see
-    ``Commit._row_groups``)."""
-    return [e.value for e in j.entries.values() if e.value is not None and not (unsynced and e.sync is not None)]
+    """Every pending value of ``j``'s entries (``unsynced``: but those of synced entries)."""
+    return [
+        e.value for e in j.entries.values() if e.value is not None and not (unsynced and e.sync is not None)
+    ] + j.loose_src  # (a loose record's target is never synced)
 
 
-def finite_flag(
-    values: list[torch.Tensor], sharded: bool = False, grouped: dict | None = None, grads: list[torch.Tensor] = ()
-) -> bool | None:
-    """Whether all of ``values``, the ``src`` values of ``grouped`` and ``grads`` are finite (None if none
-    is floating): :func:`device_flag`, read once on the host (the one host sync of the check)."""
-    ok = device_flag(values, sharded, grouped, grads)
+def finite_flag(values: list[torch.Tensor], sharded: bool = False, grads: list[torch.Tensor] = ()) -> bool | None:
+    """Whether all of ``values`` and ``grads`` are finite (None if none is floating): :func:`device_flag`,
+    read once on the host (the one host sync of the check)."""
+    ok = device_flag(values, sharded, grads)
     return None if ok is None else bool(ok)
 
 
 def device_flag(
-    values: list[torch.Tensor], sharded: bool = False, grouped: dict | None = None, grads: list[torch.Tensor] = ()
+    values: list[torch.Tensor], sharded: bool = False, grads: list[torch.Tensor] = ()
 ) -> torch.Tensor | None:
-    """A 0-dim bool on the device, never read here: whether all of ``values``, the ``src`` values of
-    ``grouped`` (the rows' commit groups, already grouped by ``_group_tensors_by_device_and_dtype([dst,
-    src])``) and ``grads`` are finite; None if none is floating. ``sharded``: some may be DTensors (their
+    """A 0-dim bool on the device, never read here: whether all of ``values`` and ``grads`` are finite;
+    None if none is floating. ``sharded``: some may be DTensors (their
     local shards are checked).
 
     The values are grouped by device and dtype in C; each floating group is checked in a few kernels
     (:func:`group_finite`, exact); the flags of all groups meet on one device (an accelerator's, if any:
     a flag is moved there without a wait) in one ``all``."""
-    if not values and not grouped and not grads:
+    if not values and not grads:
         return None
     groups: list[list[torch.Tensor]] = []
     with torch.no_grad():
         vals = sharding.locals_of(values) if sharded and values else values
         for (_dev, dt), ([ts], _) in _group_tensors_by_device_and_dtype([vals]).items() if vals else ():
-            if dt.is_floating_point or dt.is_complex:
-                groups.append(ts)
-        for (_dev, dt), ([_dst, ts], _) in grouped.items() if grouped else ():
             if dt.is_floating_point or dt.is_complex:
                 groups.append(ts)
         if grads:
@@ -149,15 +144,13 @@ def optimizer_grads(optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor
     return params, grads
 
 
-def nonfinite(
-    j: Any, rows_grouped: dict | None, grads: list[torch.Tensor], sharded: bool
-) -> tuple[list[Entry], list[int]]:
+def nonfinite(j: Any, grads: list[torch.Tensor], sharded: bool) -> tuple[list[Entry], list[int]]:
     """The entries whose pending value is not finite, and the indices of the non-finite ``grads``
     (one batched check for all; per tensor only on failure)."""
-    ok = finite_flag(pending_values(j), sharded, rows_grouped, grads)
+    ok = finite_flag(pending_values(j), sharded, grads)
     if ok is None or ok:
         return [], []
-    j.absorb()  # name them: rows become entries
+    j.settle()  # name them: loose records get their entries
     entries = list(j.entries.values())
     bad = [
         e

@@ -481,7 +481,7 @@ class Journal:
         i = len(self.loose)
         ids = None if how.traced else self.loose_ids
         inference = ids is not None and torch.is_inference_mode_enabled()
-        for info, (t, op, operand, new) in zip(infos, updates):
+        for t, op, operand, new in updates:
             ops.append(op)
             operands.append(operand)
             if new.requires_grad:
@@ -496,9 +496,7 @@ class Journal:
             src.append(new)
             if ids is not None:
                 ids[id(t)] = ids[id(new)] = i
-            slots = info.slots
-            if slots is not None and slots.get(info.attr) is t:
-                slots[info.attr] = new  # read-your-writes through the module attribute (rule 1)
+        overlay.show_loose((rec,))  # read-your-writes through the module attributes (rule 1)
         if ids is None:
             self.loose_ids_stale = True  # (id() of a tensor made in a graph: after the graph)
         self.loose.append(rec)
@@ -609,15 +607,11 @@ class Journal:
                 if old is not None:
                     aliases.pop(id(old), None)
                 aliases[id(new)] = e
-            slots = e.slots  # (overlay.show, inlined)
-            if slots is not None:
-                cur = slots.get(e.attr)
-                if cur is new:
+            if e.slots is not None:
+                if show and overlay.show(e, new, e, old):  # read-your-writes through the module attribute (rule 1)
+                    e.swapped = self.shown = True
+                elif overlay.slot(e) is new:  # (a loose record's value, shown already)
                     e.swapped = True
-                elif show and (cur is e.target or (old is not None and cur is old)):
-                    slots[e.attr] = new  # read-your-writes through the module attribute (rule 1)
-                    e.swapped = True
-                    self.shown = True
 
     def _store(
         self, e: Entry, rec: Record, new: torch.Tensor, how: Lookup, show: bool = True, placed: bool = False
@@ -716,28 +710,8 @@ class Journal:
         if not self.shown:
             return
         self.shown = False
-        for rec in self.loose:
-            for t, value, info in zip(rec.targets, rec.values, rec.infos):  # type: ignore[arg-type]
-                slots = info.slots
-                if slots is not None:
-                    cur = slots.get(info.attr)
-                    if cur is value:
-                        slots[info.attr] = t
-                    elif cur is not t:
-                        self._replaced(info.name, t, cur)
-        for e in self.entries.values():
-            slots = e.slots
-            if slots is not None:  # overlay.hide, inlined: this loop runs over every target, every step
-                value = e.value
-                if value is not None:
-                    cur = slots.get(e.attr)
-                    if cur is value:
-                        slots[e.attr] = e.target
-                    elif cur is not e.target:
-                        self._replaced(e.name, e.target, cur)
-                e.swapped = False
-            elif e.shows is not None:
-                overlay.hide(e, e.value, e)
+        for name, stored, now in overlay.hide_all(self.loose, self.entries.values()):
+            self._replaced(name, stored, now)
 
     # ------------------------------------------------------------------
     # targets changed under the step (model.to(), .half(), to_empty(), .data = ...)
@@ -784,11 +758,7 @@ class Journal:
     def show_pending(self) -> None:
         """Show the values still pending (those of phases not committed yet) again."""
         if self.loose and AUXILIARY not in self.done_phases:
-            for rec in self.loose:
-                for t, value, info in zip(rec.targets, rec.values, rec.infos):  # type: ignore[arg-type]
-                    slots = info.slots
-                    if slots is not None and slots.get(info.attr) is t:
-                        slots[info.attr] = value
+            overlay.show_loose(self.loose)
             self.shown = True
         for e in self.entries.values():
             if e.value is not None and e.phases - self.done_phases:

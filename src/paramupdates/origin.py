@@ -144,9 +144,14 @@ def capture(depth: int = 2, compiling: bool | None = None, by: str | None = None
                 cache.clear()
             internal = cache[file] = is_internal(file)
         if not internal:
-            return Origin(file, f.f_lineno, by)
+            o = _new(Origin)  # (Origin(file, f.f_lineno, by) without a call into its __init__: every update makes one)
+            o._text, o.file, o.line, o.by = None, file, f.f_lineno, by
+            return o
         f = f.f_back
     return Origin(first.f_code.co_filename, first.f_lineno, by)
+
+
+_new = object.__new__
 
 
 def issued(op: str, name: str, origin: Origin | str) -> str:

@@ -15,17 +15,19 @@ A plain ``torch.nn.Parameter`` is never swapped out of its module (so
 it shows nothing here, and ``pu.read(p)`` returns its pending value.
 
 The journal of a step (``journal.Journal``) and the view of a recomputed
-checkpoint segment (``replay.Replay``) both show values through these functions.
+checkpoint segment (``replay.Replay``) both show values through these functions: this module is the
+only writer of what a read shows (the buffer slots a pending value is put in, ``pu_pending``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from . import state
-from .records import Entry
+from .records import Entry, Record
 
 PARAM = "param"
 BUFFER = "buffer"
@@ -89,3 +91,45 @@ def hide(e: Entry, value: torch.Tensor | None, holder: Any) -> None:
             del state.process.pu_pending[id(e.target)]
     elif e.slots is not None and value is not None and e.slots.get(e.attr) is value:
         e.slots[e.attr] = e.target
+
+
+def hide_all(records: Iterable[Record], entries: Iterable[Entry]) -> list[tuple[str, torch.Tensor, Any]]:
+    """Undo :func:`show_loose` for loose ``records`` and :func:`show` for a journal's ``entries`` (each
+    entry's own pending value as the one shown; a buffer slot's ``swapped`` mark cleared). Returns
+    ``(name, target, what the slot holds)`` for each buffer slot that holds neither the target nor its
+    pending value (converted or replaced in the step)."""
+    out = []
+    for rec in records:
+        for t, v, info in zip(rec.targets, rec.values, rec.infos):  # type: ignore[arg-type]
+            slots = info.slots
+            if slots is not None:
+                cur = slots.get(info.attr)
+                if cur is v:
+                    slots[info.attr] = t
+                elif cur is not t:
+                    out.append((info.name, t, cur))
+    pending = state.process.pu_pending
+    for e in entries:
+        slots = e.slots
+        if slots is not None:  # (hide, inlined: this loop runs over every target, every step)
+            value = e.value
+            if value is not None:
+                cur = slots.get(e.attr)
+                if cur is value:
+                    slots[e.attr] = e.target
+                elif cur is not e.target:
+                    out.append((e.name, e.target, cur))
+            e.swapped = False
+        elif e.shows == PARAM and pending.get(id(e.target)) is e:
+            del pending[id(e.target)]
+    return out
+
+
+def show_loose(records: Iterable[Record]) -> None:
+    """Show the pending values of loose records (``Record.values``) through their buffer slots: a
+    slot that holds the target itself gets the value (their targets are never ``pu.Parameter``)."""
+    for rec in records:
+        for t, v, info in zip(rec.targets, rec.values, rec.infos):  # type: ignore[arg-type]
+            slots = info.slots
+            if slots is not None and slots.get(info.attr) is t:
+                slots[info.attr] = v

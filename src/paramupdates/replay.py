@@ -132,10 +132,7 @@ class Replay:
         for j in self.journals:
             for e in list(j.entries.values()):
                 if e.shows == overlay.PARAM:
-                    if e.value is None:
-                        state.process.pu_pending.pop(id(e.target), None)
-                    else:
-                        state.process.pu_pending[id(e.target)] = e
+                    overlay.show(e, e.current(), e)  # (the target itself: shows nothing)
                 elif e.shows == overlay.BUFFER:
                     cur = overlay.slot(e)
                     if cur is e.target or self._shown(cur):

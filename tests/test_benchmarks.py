@@ -159,3 +159,18 @@ def test_trace_calls_counts_calls_into_the_package_only(monkeypatch, tmp_path):
     (tmp_path / "m.py").write_text(ok + "\n\n" + long)
     found = tc.long_functions(str(tmp_path))
     assert [(f, name, n) for f, _, name, n in found] == [("m.py", "C.long", 61)], found
+
+
+def test_a_plain_models_step_calls_no_integration(monkeypatch):
+    """Issue 40, item 2: on a model with no FSDP, no compile, no checkpoint and no parametrization, the
+    traced paths (a pu.assign in pu.step, a batch norm's forward and commit, a weight-decay commit) make
+    no call into ``integrations/``; a sharded model's updates do ask the sharding support
+    (``Journal.sharding``: decided once per model index generation)."""
+    monkeypatch.syspath_prepend(ROOT)
+    from benchmarks import trace_calls as tc
+
+    paths = tc.paths()
+    assert len(paths) >= 4
+    for p in paths:
+        called = sorted({f"{f}:{q}" for f, q in p.events if f.startswith("integrations/")})
+        assert p.events and called == [], f"{p.name}: {called}"

@@ -217,6 +217,17 @@ class Journal:
             e.value is t for e in self.entries.values()
         )
 
+    def sharding(self) -> Any:
+        """The sharding support (``hooks.sharding_support``) if this step's model holds sharded
+        parameters, else None: a plain model's updates never call into a sharding integration. Decided
+        once per model index generation (``ModelIndex.sharded_layout``, kept by the support)."""
+        index = self.index
+        hit = index.sharded_layout
+        if hit is not None and hit[0] == index.generation:
+            return hooks.sharding_support() if hit[1] else None
+        support = hooks.sharding_support()
+        return support if support is not None and support.model_sharded(index) else None
+
     def _trainable(self, t: torch.Tensor, how: Lookup) -> bool:
         """Whether the optimizer also updates ``t``: it requires grad and, when the step has an
         optimizer, is one of its parameters."""
@@ -255,7 +266,7 @@ class Journal:
         # is not re-run by autograd: checkpointing inside it is a graph op.)
         if replay is None and not how.traced and (_graph_task_id() != -1 or _saved_hooks(True)):
             self._refuse_in_backward(e.name, op, origin)  # (during backward, or in a checkpointed segment)
-        support = None if how.traced else hooks.sharding_support()
+        support = None if how.traced else self.sharding()
         if support is not None and not e.records:
             support.check_update(self, e, f"pu.{op}", origin)  # sharding hook: FSDP's temporary parameters
         cond = _local.conditions[-1]

@@ -144,7 +144,7 @@ class Commit:
         self.state = "begun"
         self._refuse_unwritable()
         self._take_rules()
-        if self.options.on_nonfinite is None and self.scaler is None and not j.synced and not self._model_sharded():
+        if self.options.on_nonfinite is None and self.scaler is None and not j.synced and j.sharding() is None:
             return True  # the default commit: no verdict to take, nothing to agree on with other ranks
         return self._take_verdict()
 
@@ -168,16 +168,6 @@ class Commit:
         if self.options.checks_finite:
             return self._decide_finite(params, grads, sharded, remote_bad)
         return True
-
-    def _model_sharded(self) -> bool:
-        """Whether the model has DTensor parameters (FSDP2): the sharding support's answer, kept on the model's
-        index per generation (``ModelIndex.sharded_layout``, read here first: no call into it then)."""
-        index = self.journal.index
-        hit = index.sharded_layout
-        if hit is not None and hit[0] == index.generation:
-            return hit[1]
-        support = hooks.sharding_support()
-        return support is not None and support.model_sharded(index)
 
     def _refuse_unwritable(self) -> None:
         """A model on the meta device, or targets converted or replaced while their updates were
@@ -309,7 +299,7 @@ class Commit:
         together (one small all-reduce, unless the sync carried it), and no write may go into a
         parameter whose memory FSDP has freed."""
         j = self.journal
-        if not (j.entries or j.loose) or not self._model_sharded():
+        if not (j.entries or j.loose) or j.sharding() is None:
             return remote_bad
         self._guard_storage()
         if self.options.checks_finite and not agreed:

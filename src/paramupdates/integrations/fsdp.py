@@ -231,10 +231,16 @@ class FSDPHooks(sharding.ShardingHooks):
         model = index.model
         mesh = None
         if model is not None:
-            for p in model.parameters():
-                if sharding.is_sharded(p):
-                    mesh = p.device_mesh
-                    break
+            # FSDP2's sharded parameters first: inside forward and backward the module holds the unsharded
+            # ones (plain tensors), and the answer is kept for the index's generation
+            for fp in fsdp_params(model):
+                mesh = fp.sharded_param.device_mesh
+                break
+            else:
+                for p in model.parameters():  # (other DTensor parameters: tensor parallelism)
+                    if sharding.is_sharded(p):
+                        mesh = p.device_mesh
+                        break
         index.sharded_layout = (index.generation, mesh is not None, mesh)
         return mesh is not None, mesh
 

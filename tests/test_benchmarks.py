@@ -169,6 +169,16 @@ def test_a_plain_models_step_calls_no_integration(monkeypatch):
     monkeypatch.syspath_prepend(ROOT)
     from benchmarks import trace_calls as tc
 
+    import paramupdates as pu
+    from paramupdates import hooks
+
+    # a parametrized model elsewhere in the process, its output alive: the parametrize integration's
+    # resolver is registered and has something to look up (it must still not be asked about these)
+    other = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(3, 3))
+    att = pu.attach(other, torch.optim.SGD(other.parameters(), lr=0.1))
+    alive = other.weight  # noqa: F841 - kept alive while the paths are traced
+    att.detach()
+    assert hooks.target_resolvers and hooks.sharding_support() is not None
     paths = tc.paths()
     assert len(paths) >= 4
     for p in paths:

@@ -139,7 +139,8 @@ class Stepper(Owner):
         label = Label("pu.step", site)
         if _process.attachments:
             refuse_pending_attachment(self.model, label)
-        optimizer = self.optimizer
+        ref = self._optimizer_ref  # (Owner.optimizer, inlined: once per step)
+        optimizer = None if ref is None else ref()
         j = Journal(self.index, optimizer, label, self._reuse_entries)
         self._journal = j
         routing.enter(j)
@@ -167,7 +168,7 @@ class Stepper(Owner):
 
     def _finish(self, j: Journal, closure: Any) -> None:
         # the journal stays routable while the commit runs: a closure's forward records into it
-        c = self._commit(j, self.optimizer)
+        c = self._commit(j, j.optimizer)  # (the step's optimizer: the stepper's, held by the journal)
         try:
             c.run(closure)
         finally:

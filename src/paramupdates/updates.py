@@ -71,7 +71,11 @@ def issue(
             f"pu.{op} at {origin}: the target is a {type(target).__name__}, not a tensor. "
             "Pass a pu.Parameter or a parameter or buffer of your model."
         )
-    if hooks.target_resolvers:
+    j, e = routing.journal_of(target, origin, op, how)
+    if e is not None:  # (a parameter or buffer of a model with a step open)
+        j.record(e, op, operand, key, phase, sync, origin, fresh, how)  # type: ignore[union-attr]
+        return
+    if hooks.target_resolvers:  # (asked about tensors no step owns: a model's own tensors never are)
         for resolve in hooks.target_resolvers.values():
             stored = resolve(target, op, operand, key, origin)
             if stored is not None:
@@ -79,10 +83,8 @@ def issue(
                 for original, value in stored:
                     issue("assign", original, value, None, phase, sync, depth=depth + 1)
                 return
-    j, e = _route(target, origin, op, how)
-    if j is not None and e is not None:
-        j.record(e, op, operand, key, phase, sync, origin, fresh, how)
-        return
+    if j is None:
+        _refuse_unowned(target, origin, op)
     _apply_eagerly(op, target, operand, key, sync, cond if isinstance(cond, torch.Tensor) else None, origin)
 
 
@@ -167,7 +169,9 @@ def issue_computed(
         j = routing.journal_for(updates[0][0], how)
         if j is not None and j.record_batch(updates, origin, how):
             return  # the fast path: nothing else pending for these targets
-    j, e = _route(updates[0][0], origin, updates[0][1], how, (updates, module))
+    j, e = routing.journal_of(updates[0][0], origin, updates[0][1], how)
+    if j is None:
+        _refuse_unowned(updates[0][0], origin, updates[0][1], (updates, module))
     if j is None or e is None:  # outside a step: the eager path, with its checks
         for target, _op, _operand, new in updates:
             issue("assign", target, new, None, None, sync, True, depth + 1)
@@ -182,17 +186,15 @@ def issue_computed(
     j.record_computed(items, sync, origin, how)
 
 
-def _route(t: torch.Tensor, origin: Any, op: str, how: Lookup, computed: Computed | None = None) -> tuple[Any, Any]:
-    """``routing.journal_of``, and the error for a target that a step of this thread cannot own
-    (``computed``: the updates of a module's forward that ``t`` is the first of, and the module)."""
-    j, e = routing.journal_of(t, origin, op, how)
-    if j is None:
-        steps = routing.explicit()
-        if steps:
-            if computed is not None and not reparametrizing():  # (torch.func: _refuse_foreign says what to do)
-                _refuse_foreign_module(steps[-1], computed, origin)
-            _refuse_foreign(steps[-1], t, origin, op)
-    return j, e
+def _refuse_unowned(t: torch.Tensor, origin: Any, op: str, computed: Computed | None = None) -> None:
+    """No journal owns ``t`` (``routing.journal_of``): the error when this thread has a step in
+    progress, which cannot own it (``computed``: the updates of a module's forward that ``t`` is the
+    first of, and the module); else nothing (the update applies eagerly)."""
+    steps = routing.explicit()
+    if steps:
+        if computed is not None and not reparametrizing():  # (torch.func: _refuse_foreign says what to do)
+            _refuse_foreign_module(steps[-1], computed, origin)
+        _refuse_foreign(steps[-1], t, origin, op)
 
 
 Computed = tuple[list[tuple[torch.Tensor, str, Any, torch.Tensor]], Any]

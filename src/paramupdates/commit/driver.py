@@ -534,7 +534,8 @@ class Commit:
     def finish(self) -> None:
         """Phases ``after_grad``, ``auxiliary`` and ``after_step``; the commit is done."""
         j = self.journal
-        j.hide()
+        if j.shown:  # (shown again by the optimizer's step: a closure's forward)
+            j.hide()
         for phase in AFTER_OPTIMIZER:
             if phase in self._phase_rules or phase in j.by_phase or (j.loose and phase == AUXILIARY):
                 self.run_phase(phase)

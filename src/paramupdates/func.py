@@ -66,8 +66,7 @@ def functional_call(
         )
     finally:
         routing.leave(j)
-        if j.loose:
-            j.settle()
+        j.settle()
         updates = {e.name: e.value for e in j.entries.values() if e.value is not None}
         j.discard()
     return out, updates

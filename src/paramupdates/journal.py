@@ -126,6 +126,8 @@ class Journal:
         """Make the entries of the loose records (:meth:`record_batch`), in their place in the issue
         order: what a reader of one of their targets (a second record, a read, a recomputation,
         ``pu.func``) or of every entry asks first. What reads show does not change."""
+        if not self.loose:
+            return
         loose, self.loose = self.loose, []
         self.loose_dst, self.loose_src, self.loose_ids = [], [], {}
         for rec in loose:
@@ -421,15 +423,8 @@ class Journal:
     def _batch_entries(self, targets: list[torch.Tensor], how: Lookup) -> list | None:
         """The entries of ``targets`` (made or reused), if every one can take
         :meth:`record_batch`'s path (a buffer or a non-trainable parameter of the model, not synced, not
-        a ``pu.Parameter``, not sharded), else None."""
-        if how.traced:
-            out = []
-            for t in targets:
-                e = None if t.requires_grad else self.find(t, True, how)
-                if e is None or e.trainable or e.sync is not None or e.shows == overlay.PARAM or e.sharded:
-                    return None
-                out.append(e)
-            return out
+        a ``pu.Parameter``, not sharded), else None. Eager only (traced, :meth:`record_computed` takes
+        what a loose record cannot)."""
         # (dict look-ups and the reuse of last step's entry inlined: this runs for every batch norm of every step)
         if self.aliases_stale:
             self.rebuild_aliases()
@@ -552,8 +547,7 @@ class Journal:
         """:meth:`record_batch` on the targets' entries (some target has something pending: a second
         forward of the module in the step); False unless every target can take it
         (:meth:`_batch_entries`)."""
-        if self.loose:
-            self.settle()  # (a target of this call may be one of theirs)
+        self.settle()  # (a target of this call may be one of theirs)
         entries = self._batch_entries([u[0] for u in updates], how)
         if entries is None:
             return False
@@ -665,8 +659,7 @@ class Journal:
 
     def pending_name_of(self, t: torch.Tensor) -> str | None:
         """The name of ``t`` if it is a target with pending updates, or the pending value of one."""
-        if self.loose:
-            self.settle()  # (names an update's target: not on a step's path)
+        self.settle()  # (names an update's target: not on a step's path)
         e = self.entries.get(id(t))
         if e is not None and e.target is t and e.value is not None:
             return e.name

@@ -46,8 +46,7 @@ def entry_values() -> EntryValues:
     """What every live journal shows for its targets now (references, no copies)."""
     snap: EntryValues = {}
     for j in routing.live_journals(routing.THREAD):
-        if j.loose:
-            j.settle()
+        j.settle()
         for e in j.entries.values():
             v = j.current_of(e)
             if v is not e.target:
@@ -120,8 +119,7 @@ class Replay:
     def install(self) -> None:
         """Show the values at segment entry."""
         for j in self.journals:
-            if j.loose:
-                j.settle()
+            j.settle()
             for e in j.entries.values():
                 v = self.current(j, e)
                 self.alias[id(v)] = e

@@ -272,8 +272,7 @@ def pending_of(tensors: list[torch.Tensor]) -> list[tuple[str, Journal, Attachme
     owners += [(a.label, a.journal, a) for a in _process.attachments if a.journal is not None]
     out = []
     for label, j, att in owners:
-        if j.loose:
-            j.settle()
+        j.settle()
         names = [
             e.name for e in j.entries.values() if e.value is not None and (id(e.target) in ids or id(e.value) in ids)
         ]

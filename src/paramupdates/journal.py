@@ -421,39 +421,14 @@ class Journal:
                 self._store(e, rec, new, how, placed=True)
 
     def _batch_entries(self, targets: list[torch.Tensor], how: Lookup) -> list | None:
-        """The entries of ``targets`` (made or reused), if every one can take
+        """The entries of ``targets`` (found, reused or made by :meth:`find`), if every one can take
         :meth:`record_batch`'s path (a buffer or a non-trainable parameter of the model, not synced, not
-        a ``pu.Parameter``, not sharded), else None. Eager only (traced, :meth:`record_computed` takes
-        what a loose record cannot)."""
-        # (dict look-ups and the reuse of last step's entry inlined: this runs for every batch norm of every step)
-        if self.aliases_stale:
-            self.rebuild_aliases()
-        entries, aliases, reuse, gen = self.entries, self.aliases, self.reuse, self.index.generation
+        a ``pu.Parameter``, not sharded), else None. (A target's first record of a step is a loose one:
+        this runs only for a target with something pending already, a module's second forward.)"""
         out = []
         for t in targets:
-            k = id(t)
-            e = entries.get(k)
-            if e is None or e.target is not t:
-                e = aliases.get(k)
-                if e is None or e.value is not t:  # not pending yet: last step's entry, or a new one
-                    e = reuse.get(k) if reuse is not None else None
-                    if (
-                        e is not None
-                        and e.target is t
-                        and e.journal is None
-                        and e.generation == gen
-                        and not e.trainable
-                    ):
-                        e.value, e.swapped, e.sync = None, False, None
-                        e.records.clear()  # (last step's: nothing reads them once it closed)
-                        e.phases.clear()
-                        e.journal = self
-                        entries[k] = e
-                    else:
-                        e = None if t.requires_grad else self.find(t, True, how)
-                        if e is None:
-                            return None
-            if e.trainable or e.sync is not None or e.shows == overlay.PARAM or e.sharded:
+            e = None if t.requires_grad else self.find(t, True, how)
+            if e is None or e.trainable or e.sync is not None or e.shows == overlay.PARAM or e.sharded:
                 return None
             out.append(e)
         return out
@@ -575,17 +550,11 @@ class Journal:
 
     def _pending(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is a target or pending value of this step, found by identity (traced)."""
-        for e in self.entries.values():
-            if e.target is t or e.value is t:
-                return True
-        for rec in self.loose:
-            for x in rec.targets:  # type: ignore[union-attr]
-                if x is t:
-                    return True
-            for x in rec.values:  # type: ignore[union-attr]
-                if x is t:
-                    return True
-        return False
+        return any(e.target is t or e.value is t for e in self.entries.values()) or self.in_loose(t)
+
+    def in_loose(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is a target or pending value of a loose record, found by identity (traced)."""
+        return any(x is t for rec in self.loose for x in (*rec.targets, *rec.values))  # type: ignore[misc]
 
     def _take_values(
         self, rec: Record, entries: list[Entry], values: list[torch.Tensor], how: Lookup, show: bool = True

@@ -81,7 +81,7 @@ class Traced(Lookup):
         return support.call_site() if support is not None else "<compiled>"
 
     def entry(self, j: Any, t: torch.Tensor) -> Entry | None:
-        if j.loose and any(x is t for rec in j.loose for x in (*rec.targets, *rec.values)):
+        if j.loose and j.in_loose(t):
             j.settle(self)
         for e in j.entries.values():
             if e.target is t or e.value is t:

@@ -276,7 +276,8 @@ def check(pair: Pair, reference: str) -> str:
 def measure(pair: Pair, repeats: int, steps: int) -> list[dict]:
     """Check, time and turn ``pair`` into rows of the benchmark table."""
     try:
-        note = check(pair, pair.rows[0][1])
+        # the first reference that ran (timm's side is skipped where timm is not installed)
+        note = check(pair, next(ref for _, ref, _ in pair.rows if ref in pair.sides))
         times = interleaved({n: s.run for n, s in pair.sides.items()}, repeats=repeats, steps=steps)
     finally:
         for close in pair.close:

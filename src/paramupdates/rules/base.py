@@ -571,7 +571,7 @@ class RuleSet:
         union: list[torch.Tensor] = []
         for ts in held:
             for t in ts:  # type: ignore[union-attr]
-                if id(t) not in seen:
+                if t is not None and id(t) not in seen:  # (None: a tied name's gap, DeclaredRule.untie)
                     seen.add(id(t))
                     union.append(t)
         self._sub = has_subclass(union)

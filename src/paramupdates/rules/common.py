@@ -93,12 +93,14 @@ def plain_if(flag: bool) -> Any:
 def named_tensors(obj: Any, fn: str) -> Named:
     """``(name, tensor)`` pairs from a module, a tensor, or an iterable of tensors / pairs.
 
-    A module gives its qualified parameter names; an iterable of bare tensors
-    gives their positions (``"0"``, ``"1"``, ... as in ``nn.ParameterList``).
-    Duplicates (shared tensors) are kept once, first name wins.
+    A module gives every qualified parameter name, a tensor held under two names (tied weights)
+    under both: the rule covers the names, and writes a tensor once however many of them hold it
+    (:func:`untie`), so that weights tied or untied after the declaration are covered as the module
+    holds them. An iterable of bare tensors gives their positions (``"0"``, ``"1"``, ... as in
+    ``nn.ParameterList``), a tensor given twice kept once.
     """
     if isinstance(obj, nn.Module):
-        items: Named = list(obj.named_parameters())
+        return list(obj.named_parameters(remove_duplicate=False))
     elif isinstance(obj, torch.Tensor):
         items = [("0", obj)]
     elif isinstance(obj, Iterable):
@@ -121,6 +123,26 @@ def named_tensors(obj: Any, fn: str) -> Named:
             seen.add(id(t))
             out.append((name, t))
     return out
+
+
+def untie(live: list[Any]) -> int:
+    """Keep each tensor of ``live`` once, at its first position: a later position holding the same
+    object (weights tied after a rule was declared on both names, ``model.out.weight = model.emb.weight``)
+    becomes ``None``, so that a rule writes a tensor once per commit (rule 1: once per optimizer update),
+    never once per name. In place; the number of positions cleared. One pass, at a full check only."""
+    if len(set(map(id, live))) == len(live):
+        return 0  # (no tensor twice: the common case, one pass in C)
+    seen: set[int] = set()
+    tied = 0
+    for i, t in enumerate(live):
+        if t is None:
+            continue
+        if id(t) in seen:
+            live[i] = None
+            tied += 1
+        else:
+            seen.add(id(t))
+    return tied
 
 
 def refuse_inside_step(fn: str, origin: str, tensors: Iterable[torch.Tensor] = ()) -> None:
@@ -222,10 +244,10 @@ def slot_tensor(root: nn.Module, name: str) -> torch.Tensor | None:
     return routing.stored(t)
 
 
-def stored_named(module: nn.Module, kind: str) -> list[tuple[str, torch.Tensor]]:
+def stored_named(module: nn.Module, kind: str, remove_duplicate: bool = True) -> list[tuple[str, torch.Tensor]]:
     """``module.named_parameters()`` / ``named_buffers()`` (``kind``), with the stored tensor where a
-    slot shows a pending value."""
-    items = list(getattr(module, f"named_{kind}")())
+    slot shows a pending value (``remove_duplicate=False``: a tensor under each of its names)."""
+    items = list(getattr(module, f"named_{kind}")(remove_duplicate=remove_duplicate))
     if not routing.anything_open():
         return items
     journals = routing.live_journals(routing.PROCESS)

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from .base import Rule
-from .common import OnTensorList, WeakList, any_none, follow_in, has_subclass, storage_key
+from .common import OnTensorList, WeakList, any_none, follow_in, has_subclass, storage_key, untie
 
 if TYPE_CHECKING:
     from .base import CommitContext
@@ -61,6 +61,7 @@ class DeclaredRule(OnTensorList, Rule):
         self.plan: Any = None
         self._live: list[Any] = []
         self._args: Any = None
+        self._tied = 0  # positions of the last full check left out: a tensor held under an earlier name too
 
     # --- what a subclass provides ------------------------------------------------------------------
     def plan_key(self, ctx: CommitContext, live: list[Any]) -> Any:
@@ -89,6 +90,12 @@ class DeclaredRule(OnTensorList, Rule):
     def follow(self) -> bool:
         """Read the named slots again (:meth:`WeakList.resync`); True if any tensor changed."""
         return self._tensors.resync()
+
+    def untie(self, live: list[Any]) -> int:
+        """Leave out of ``live`` (``None``) each position whose tensor an earlier one holds too (tied
+        weights: the rule writes each tensor once); the number left out. A rule that writes other tensors
+        than it reads (the EMA: its copy's) overrides this."""
+        return untie(live)
 
     def bind(self, ctx: CommitContext, live: list[Any]) -> Any:
         """The arguments of :meth:`run` made from :attr:`plan` and ``live`` (the lists the kernels take),
@@ -126,6 +133,7 @@ class DeclaredRule(OnTensorList, Rule):
                 model = ctx.index.model_ref()
                 raise self.lost_error(type(model).__name__, lost)
         live = self.current()
+        self._tied = self.untie(live)
         pk = self.plan_key(ctx, live)
         if (pk, storage_key([t for t in live if t is not None], self._sub)) != self._key:
             self.plan = self.make_plan(ctx, live)
@@ -137,7 +145,9 @@ class DeclaredRule(OnTensorList, Rule):
 
     def fingerprint(self) -> list[torch.Tensor] | None:
         live = self._live
-        return None if not live or any_none(live) else live
+        if not live or (any_none(live) and sum(t is None for t in live) != self._tied):
+            return None  # (a tensor gone: the full check decides; a tied name's gap is kept as planned)
+        return live
 
     def bound(self) -> Any:
         return self._args

@@ -382,6 +382,11 @@ class EMA(DeclaredRule):
         changed = self._tensors.resync()
         return self._copies.resync() or changed
 
+    def untie(self, live: list[Any]) -> int:
+        """Nothing left out: the model's tensors are read (one under two names is read twice), and a copy
+        tensor under two names is written once by the plan (:meth:`make_plan`)."""
+        return 0
+
     def resync(self) -> None:
         """Follow the model's and the copy's tensors by name (``fully_shard`` replaces every parameter by a
         sharded ``DTensor`` in the same slot: the copy is then sharded the same way, its averages kept);
@@ -504,7 +509,11 @@ class EMA(DeclaredRule):
         self._avg = self._averaged(src)
         self._where = [(t.dtype, t.device) for t in src]
         groups: dict[tuple[Any, ...], list[int]] = {}
+        written: set[int] = set()
         for i, (s, d, a) in enumerate(zip(src, dst, self._avg)):
+            if id(d) in written:
+                continue  # (the copy holds one tensor under two names, tied: averaged once, at the first)
+            written.add(id(d))
             groups.setdefault((a, d.device, d.dtype, s.device, s.dtype), []).append(i)
         return [
             ("lerp" if a and dt == st else "mixed" if a else "copy", sd != dd, idx)
@@ -538,9 +547,12 @@ class EMA(DeclaredRule):
     def run(self, ctx: CommitContext, live: list[Any], args: Any) -> None:
         ok = ctx.ok
         with plain_if(self._sub):
-            if not self.foreach:  # the reference path: one pair at a time
+            if not self.foreach:  # the reference path: one pair at a time (those of the plan: once per copy tensor)
                 n = len(self.names)
-                _single_tensor_ema(live[n:], live[:n], self._avg, self._weight, ok)
+                pos = sorted(i for _, _, idx in self.plan for i in idx)
+                _single_tensor_ema(
+                    [live[n + i] for i in pos], [live[i] for i in pos], [self._avg[i] for i in pos], self._weight, ok
+                )
             else:
                 lists = args if args is not None and not torch.compiler.is_compiling() else self._lists(live)
                 if ok is not None:
@@ -640,8 +652,9 @@ def _paired(
     copies: list[tuple[str, torch.Tensor]] = []
     buffer: list[bool] = []
     for kind in ("parameters", "buffers"):
-        a = dict(stored_named(model, kind))
-        b = dict(getattr(module, f"named_{kind}")())
+        # every name, a tied tensor under each (the copy writes a tensor once: make_plan)
+        a = dict(stored_named(model, kind, remove_duplicate=False))
+        b = dict(getattr(module, f"named_{kind}")(remove_duplicate=False))
         gone = [n for n in b if n not in a and n != COUNTER]
         if gone:
             raise _gone_error(origin, gone, kind)

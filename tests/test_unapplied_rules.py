@@ -39,7 +39,8 @@ def test_a_forgotten_attach_warns_once_per_rule_naming_it_and_the_fix():
     assert decay.startswith(f"pu.weight_decay declared at {here}:{line_of('MARK: the decay')} did not run")
     assert con.startswith(f"pu.constrain(max_norm) declared at {here}:{line_of('MARK: the constraint')} did not run")
     assert f"SGD.step() at {here}:{line_of('MARK: the bare step')}" in decay
-    assert "'0.weight', '1.weight'" in decay and "'weight', 'bias'" in con  # (names in the module declared on)
+    # (qualified names in the model: a rule declared on a layer of a model paramupdates knows follows its place)
+    assert "'0.weight', '1.weight'" in decay and "'1.weight', '1.bias'" in con
     assert "pu.attach(model, optimizer)" in decay and "pu.step(model, optimizer)" in decay
     assert all(w.filename.endswith("test_unapplied_rules.py") for w in record)  # (the user's line)
 

@@ -8,6 +8,7 @@ module was added, a buffer was replaced).
 
 from __future__ import annotations
 
+import itertools
 import operator
 import sys
 import weakref
@@ -56,6 +57,7 @@ class ModelIndex:
         # tensors passed in; ``pu.func``'s own index). A model's index keeps its stored tensors then.
         self.reparametrized = reparametrized
         self._containers: list[weakref.ref] = []
+        self._kids: list[Any] = []  # a weak reference to each container's submodules as last built
         self._shape_key: tuple[int, tuple[int, ...] | None] | None = None
         self.build()
 
@@ -107,6 +109,7 @@ class ModelIndex:
         self.has_meta = has_meta  # some tensor is on the meta device (no values: nothing to step)
         self._containers = containers
         self._shape_key = (struct, _sizes(containers))
+        self._kids = [_ref(m) for m in _children(containers)]
 
     def _index_tensors(
         self, mod: nn.Module, mod_name: str, mref: weakref.ref, journals: list, by_id: dict[int, TargetInfo]
@@ -144,12 +147,14 @@ class ModelIndex:
     def refresh(self) -> None:
         """Rebuild if the model's structure may have changed since the last build: a module of an indexed
         model got a parameter, buffer or submodule through torch's registration paths (``state.process.structure``),
-        or a container's number of submodules changed (``Sequential.insert``, ``ModuleList.pop``, ``del
+        or a container's submodules changed (``Sequential.insert``, ``ModuleList.pop``, ``del
         model[2]``: torch writes those dicts with no hook). A few integer compares when nothing changed;
         a commit calls it before it takes the model's rules (accounted for, rule 12)."""
         if torch.compiler.is_compiling():
             return  # a traced commit keeps the index as last built (see build; docs/compile.md)
-        if self._shape_key != (state.process.structure, _sizes(self._containers)):
+        if self._shape_key != (state.process.structure, _sizes(self._containers)) or not _same_children(
+            self._kids, self._containers
+        ):
             self.build()
 
     def forget_rules(self) -> None:
@@ -226,12 +231,40 @@ class ModelIndex:
 _modules_of = operator.attrgetter("_modules")
 
 
+_values = operator.methodcaller("values")
+
+
 def _sizes(containers: list[weakref.ref]) -> tuple[int, ...] | None:
     """How many submodules each container module has now (``None``: one was collected)."""
     try:
         return tuple(map(len, map(_modules_of, map(operator.call, containers))))
     except AttributeError:
         return None
+
+
+def _children(containers: list[weakref.ref]) -> Any:
+    """The submodules (or ``None`` slots) of the container modules, in order, as one iterator."""
+    return itertools.chain.from_iterable(map(_values, map(_modules_of, map(operator.call, containers))))
+
+
+def _ref(m: Any) -> Any:
+    return weakref.ref(m) if m is not None else _NONE
+
+
+def _NONE() -> None:  # (what a slot holding None is compared with: it returns None, as that slot does)
+    return None
+
+
+def _same_children(refs: list[Any], containers: list[weakref.ref]) -> bool:
+    """Whether the containers hold the submodules ``refs`` refer to, in order (their number compared
+    already): what torch writes with no registration hook is seen too, a layer deleted and another
+    inserted in its place included (``del model[2]; model.insert(2, ...)``). Weak references made at
+    the build, not ``id()``: the new layer may be made where the collected one was, with its id; a
+    reference to a dead module returns ``None``. One pass in C, no new reference made."""
+    try:
+        return all(map(operator.is_, map(operator.call, refs), _children(containers)))
+    except AttributeError:  # (a container was collected)
+        return False
 
 
 _FUNCTIONAL_CALL = torch.nn.utils.stateless._functional_call.__code__

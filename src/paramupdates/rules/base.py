@@ -339,8 +339,24 @@ def register(rule: Rule) -> Rule:
             if old.drop(common):
                 registry.remove(old)
     registry.append(rule)
+    root = rule.root()
+    if root is not None:  # (declared on a submodule of a model paramupdates knows: its place there from now on)
+        places = [(w, idx.model) for idx in list(state.process.indexes.values()) if (w := idx.module_name(root))]
+        if places:
+            where, model = max(places, key=lambda p: len(p[0]))  # (the outermost model)
+            follow_place(rule, model, where)
     state.bump_rules()
     return rule
+
+
+def follow_place(rule: Rule, model: Any, where: str) -> None:
+    """``rule`` is declared on the submodule at ``where`` in ``model``: from now on it follows that place,
+    by qualified name in ``model`` (``where.<name>``), not the module object. A layer replaced there
+    (``model.heads["a"] = ...``), popped and re-added (``old = model.heads.pop("a"); model.heads["a"] =
+    ...``) or deleted and re-added is covered as the model holds it, whether or not anything still holds
+    the old layer; a place left empty is a lost name, raised at the next commit (rule 12: nothing
+    depends on when Python collects the old layer)."""
+    rule.rebase(rule.root(), model, where)
 
 
 def _user_stacklevel() -> int:
@@ -441,10 +457,12 @@ def _take_rules(index: ModelIndex) -> None:
     unbound = 0
     for r in state.process.rules:
         root = r.root()
-        inside = root is not None and index.module_name(root) is not None
-        if not inside and not any(id(t) in held for t in r.owner_tensors()):
+        where = index.module_name(root) if root is not None else None
+        if where is None and not any(id(t) in held for t in r.owner_tensors()):
             unbound += root is None
             continue  # another model's rule, or bare tensors this model does not hold
+        if where:
+            follow_place(r, model, where)
         r.resync()
         r.adopt(index)  # (bare tensors this model holds: followed by name in it from now on)
         out.append(r)

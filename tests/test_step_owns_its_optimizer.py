@@ -217,21 +217,24 @@ def _plain_scaler_loop(xs, init_scale, fused, drop_skipped):
 # (torch.empty), so the plain loop's result is not defined there.)
 @pytest.mark.parametrize("how, fused", [("inf", False), ("scale", False), ("inf", True)], ids=["inf", "scale", "fused"])
 @pytest.mark.parametrize("on_nonfinite", [None, "skip"])
-def test_gradscaler_under_attach_drops_the_step_it_skips_whole(how, fused, on_nonfinite):
+@pytest.mark.parametrize("given", [True, False], ids=["scaler=", "no-scaler="])
+def test_gradscaler_under_attach_drops_the_step_it_skips_whole(how, fused, on_nonfinite, given):
     """``pu.attach(model, opt, scaler=scaler)`` with the usual loop (``scaler.step(opt)``,
     ``scaler.update()``): a step the scaler skips is dropped whole, as under ``pu.step(scaler=)``:
     its batch's statistics are never applied, it is counted in ``skipped_steps``, and every other
     step trains as the plain GradScaler loop with torch.nn.BatchNorm1d does, bitwise (parameters and
     statistics after each step). Before, the skipped batch's pending statistics carried over into
     the next step; with ``on_nonfinite="skip"`` and a non-finite batch that next good step was then
-    dropped too."""
+    dropped too. The same without ``scaler=`` (the attachment sees the scaler that steps its optimizer,
+    from its first step on, a skipped one included): before, a good batch was then silently not trained
+    on, or the skipped batch's statistics were committed with the next one's."""
     xs, init_scale = _overflowing_batches(how)
     ref = _plain_scaler_loop(xs, init_scale, fused, drop_skipped=True)
     torch.manual_seed(0)
     m = pu.convert(_Net(torch.nn.BatchNorm1d))
     opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9, fused=fused)
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, backoff_factor=2.0**-100)
-    att = pu.attach(m, opt, scaler=scaler, on_nonfinite=on_nonfinite)
+    att = pu.attach(m, opt, **({"scaler": scaler} if given else {}), on_nonfinite=on_nonfinite)
     for x, want in zip(xs, ref):
         opt.zero_grad()
         scaler.scale(m(x).square().sum()).backward()
@@ -242,28 +245,6 @@ def test_gradscaler_under_attach_drops_the_step_it_skips_whole(how, fused, on_no
     assert not att.pending_schedule().targets()
     att.detach()
     assert "step" not in vars(scaler)  # detach() unwraps scaler.step
-
-
-def test_gradscaler_under_attach_without_scaler_carries_the_skipped_steps_updates_over():
-    """Without ``scaler=`` (documented): the attachment does not see the step the scaler skips, so
-    the skipped batch's statistics stay pending and are committed by the next optimizer.step(), as
-    under gradient accumulation; the parameters are the plain loop's."""
-    xs, init_scale = _overflowing_batches("scale")
-    ref = _plain_scaler_loop(xs, init_scale, False, drop_skipped=False)
-    torch.manual_seed(0)
-    m = pu.convert(_Net(torch.nn.BatchNorm1d))
-    opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
-    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, backoff_factor=2.0**-100)
-    att = pu.attach(m, opt)
-    for i, x in enumerate(xs):
-        opt.zero_grad()
-        scaler.scale(m(x).square().sum()).backward()
-        scaler.step(opt)
-        scaler.update()
-        if i == 0:
-            assert att.pending_schedule().targets()  # the skipped batch's statistics, still pending
-    assert_same(ref[-1], snapshot(m))  # after the next step: both batches' statistics, as plain PyTorch
-    assert att.steps == 3 and att.skipped_steps == 0
 
 
 class _Seen(torch.nn.Module):

@@ -33,6 +33,33 @@ from .owner import Owner, check_arguments
 from .targets import ModelIndex, index_of
 
 
+def see_scalers() -> None:
+    """Let every attachment see the ``torch.amp.GradScaler`` that steps its optimizer, ``scaler=`` given
+    or not (rule 12). ``scaler.step(optimizer)`` skips ``optimizer.step()`` when the scaled gradients
+    overflow: an attachment that does not see it would carry the skipped batch's pending updates into the
+    next step (and, with ``on_nonfinite="skip"``, skip that good step too). So ``GradScaler.step`` is
+    wrapped once, on the class, at the first ``pu.attach``: its first call with an attached optimizer
+    whose attachment has no scaler hands the scaler to that attachment (:meth:`Attachment.take_scaler`),
+    which from then on, this call included, drops a step the scaler skips, exactly as ``scaler=scaler``
+    does. Every other call passes straight through (one look at the live attachments). Subclasses
+    (``torch.cuda.amp.GradScaler``, FSDP's ``ShardedGradScaler``) inherit the wrapper."""
+    cls = torch.amp.GradScaler
+    if getattr(cls.step, "_pu_sees", False):
+        return
+    orig = cls.step
+
+    @functools.wraps(orig)
+    def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        for att in routing.attachments():
+            if att._scaler is None and att._stage is not DETACHED and att._steps(optimizer):
+                att.take_scaler(scaler)
+                return att._scaler_step(functools.partial(orig, scaler), optimizer, *args, **kwargs)
+        return orig(scaler, optimizer, *args, **kwargs)
+
+    step._pu_sees = True  # type: ignore[attr-defined]
+    cls.step = step  # type: ignore[method-assign]
+
+
 class Stage(enum.Enum):
     """Where an :class:`Attachment` is between two optimizer steps (see its docstring for the transitions)."""
 
@@ -126,7 +153,11 @@ class Attachment(Owner):
         self._nested = 0  # (COMMITTING) nested optimizer steps inside the committing one (super().step())
         self._scaler_opt: Any = None  # the optimizer as given to the scaler's step, while it runs
         self._wrap_step(optimizer)
+        # the GradScaler whose step this attachment sees: scaler=, or the first that steps the optimizer
+        self._scaler = scaler
         self._scaler_fn = self._wrap_scaler(scaler) if scaler is not None else None
+        if scaler is None:
+            see_scalers()
         routing.add_attachment(self)
 
     @classmethod
@@ -262,6 +293,12 @@ class Attachment(Owner):
         scaler.step = types.MethodType(step, scaler)
         return step
 
+    def take_scaler(self, scaler: Any) -> None:
+        """``scaler`` steps this attachment's optimizer, and ``scaler=`` was not given: from now on the
+        attachment sees its steps as with ``scaler=scaler`` (:func:`see_scalers`)."""
+        self._scaler = scaler
+        self._scaler_fn = self._wrap_scaler(scaler)
+
     def _steps(self, optimizer: Any) -> bool:
         """Whether ``optimizer`` (as given to ``scaler.step``) is this attachment's, outside a ``pu.step``
         commit of it (which drives the scaler itself)."""
@@ -294,9 +331,7 @@ class Attachment(Owner):
         c = super()._commit(journal, optimizer)
         # the scaler decides only for a commit inside its own step; elsewhere (a plain
         # optimizer.step(), flush()) the step is committed as without scaler=
-        c.scaler, c.scaler_opt = (
-            (self.options.scaler, self._scaler_opt) if self._scaler_opt is not None else (None, None)
-        )
+        c.scaler, c.scaler_opt = (self._scaler, self._scaler_opt) if self._scaler_opt is not None else (None, None)
         return c
 
     # routing (``routing.journal_of`` decides; the attachment opens its journal) ---------------------
@@ -463,7 +498,7 @@ class Attachment(Owner):
     def _unwrap_scaler(self) -> None:
         """Put back what ``scaler.step`` was, if this attachment's wrapper is still the one on the
         instance (else the wrapper stays there, and passes every call through)."""
-        scaler = self.options.scaler
+        scaler = self._scaler
         if self._scaler_fn is None or scaler is None:
             return
         now = scaler.__dict__.get("step")

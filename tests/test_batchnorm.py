@@ -416,3 +416,100 @@ def test_a_forward_is_one_record_and_a_later_update_of_a_statistic_folds_after_i
     ops = [(r.target, r.op) for r in s.schedule()]
     three = [(n, op) for n, op in zip(rec.names(), rec.ops)]
     assert ops == three + [("running_mean", "assign_add")] + three + [("running_var", "assign_sub")]
+
+
+def _cumulative_pair(tcls, pcls):
+    """A fresh torch batch norm with ``momentum=None`` (``num_batches_tracked == 0``) and its pu twin."""
+    ref = tcls(4, momentum=None)
+    mod = pcls(4, momentum=None)
+    mod.load_state_dict(ref.state_dict())
+    return ref, mod
+
+
+CUMULATIVE = [(nn.BatchNorm1d, pu.nn.BatchNorm1d, (8, 4)), (nn.BatchNorm2d, pu.nn.BatchNorm2d, (6, 4, 5, 3))]
+
+
+@pytest.mark.parametrize("tcls,pcls,shape", CUMULATIVE, ids=lambda c: getattr(c, "__name__", str(c)))
+@pytest.mark.parametrize("where", ["no step", "pu.step", "pu.attach"])
+def test_cumulative_average_under_a_tensor_condition_is_torchs_on_the_steps_it_holds(tcls, pcls, shape, where):
+    """momentum=None under pu.when(tensor) on a fresh model (issue 49): a False step leaves the statistics
+    as they are (no ZeroDivisionError from 1 / num_batches_tracked), a True step is bitwise torch's module
+    run on the True steps alone (the factor stays on the device: the condition is not read on the host)."""
+    ref, mod = _cumulative_pair(tcls, pcls)
+    # (lr=0: the optimizer's step commits the statistics and leaves the weights as torch's module has them)
+    opt = torch.optim.SGD(mod.parameters(), lr=0.0) if where == "pu.attach" else None
+    att = pu.attach(mod, opt) if opt is not None else None
+    flags = [False, True, False, True, True, False]
+    for i, flag in enumerate(flags):
+        x = torch.randn(shape) * 3 + 1
+        before = {k: v.clone() for k, v in mod.state_dict().items()}
+        step = pu.step(mod) if where == "pu.step" else contextlib.nullcontext()
+        with step, pu.when(torch.tensor(flag)):
+            y = mod(x)
+        if opt is not None:
+            y.sum().backward()
+            opt.step()
+            opt.zero_grad()
+        if flag:
+            with torch.no_grad():
+                y_ref = ref(x)
+            _assert_bits(y_ref, y.detach(), f"output {i}")
+            for k, v in ref.state_dict().items():
+                _assert_bits(v, mod.state_dict()[k], f"{k} after step {i}")
+        else:
+            for k, v in mod.state_dict().items():
+                _assert_bits(before[k], v, f"{k} after step {i} (False)")
+    if att is not None:
+        att.detach()
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_cumulative_average_two_forwards_of_a_step_under_a_tensor_condition(flag):
+    """Gradient accumulation: the second forward reads the count the first left pending (conditional):
+    the factor is taken from it on the device, bitwise torch's two forwards when the flag is True."""
+    ref, mod = _cumulative_pair(nn.BatchNorm1d, pu.nn.BatchNorm1d)
+    xs = [torch.randn(8, 4) * 3 + 1 for _ in range(2)]
+    with pu.step(mod), pu.when(torch.tensor(flag)):
+        for x in xs:
+            mod(x)
+    if flag:
+        for x in xs:
+            ref(x)
+    _assert_modules(ref, mod)
+
+
+def test_cumulative_average_under_a_host_condition_is_unchanged():
+    """pu.when(True/False) around a momentum=None forward: False records nothing, True is torch's."""
+    ref, mod = _cumulative_pair(nn.BatchNorm1d, pu.nn.BatchNorm1d)
+    for flag in (False, True, False, True):
+        x = torch.randn(8, 4)
+        with pu.step(mod), pu.when(flag):
+            mod(x)
+        if flag:
+            ref(x)
+        _assert_modules(ref, mod)
+
+
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Records every read of a tensor's value to the host (bool(), float(), int(), .item(), .tolist())."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in ("__bool__", "__float__", "__int__", "__index__", "item", "tolist"):
+            self.reads.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_cumulative_average_under_a_tensor_condition_reads_nothing_on_the_host(flag):
+    """Rule 6: a tensor condition is never read on the host, nor is the count it may have left pending
+    (the cumulative average's factor 1 / num_batches_tracked stays on the device)."""
+    mod = pu.nn.BatchNorm1d(4, momentum=None)
+    with _HostReads() as seen, pu.step(mod), pu.when(torch.tensor(flag)):
+        mod(torch.randn(8, 4))
+        mod(torch.randn(8, 4))
+    assert seen.reads == []
+    assert int(mod.num_batches_tracked) == (2 if flag else 0)

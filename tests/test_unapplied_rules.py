@@ -106,3 +106,127 @@ def test_a_program_without_rules_registers_no_global_optimizer_hook():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+class Lookahead(torch.optim.Optimizer):
+    """The common Lookahead recipe (Zhang et al. 2019): a real optimizer wrapping a base one, whose step
+    steps the base (fast weights) and every ``k`` steps pulls the weights towards slow copies."""
+
+    def __init__(self, base: torch.optim.Optimizer, k: int = 2, alpha: float = 0.5) -> None:
+        self._base_optimizer = base
+        self.k, self.alpha, self._n = k, alpha, 0
+        super().__init__(base.param_groups, {"k": k, "alpha": alpha})  # (the base's groups, shared)
+        self._slow = [p.detach().clone() for g in base.param_groups for p in g["params"]]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = self._base_optimizer.step(closure)
+        self._n += 1
+        if self._n % self.k == 0:
+            params = [p for g in self.param_groups for p in g["params"]]
+            for p, slow in zip(params, self._slow):
+                slow.add_(p - slow, alpha=self.alpha)
+                p.copy_(slow)
+        return loss
+
+
+def _clamp(w: torch.Tensor) -> torch.Tensor:
+    return w.clamp(-0.2, 0.2)
+
+
+def _wrapped_run(make_opt, how: str, n: int = 5):
+    """``n`` steps of a model under ``pu.constrain`` and ``pu.ema`` with the optimizer ``make_opt`` builds,
+    beside plain PyTorch with the rules applied by hand after each ``optimizer.step()``; both results."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
+    m = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
+    m.load_state_dict(ref.state_dict())
+    ref_opt, opt = make_opt(ref), make_opt(m)
+    avg = AveragedModel(ref, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+    avg.update_parameters(ref)  # (its first update copies; pu.ema starts from the copy at declaration)
+    pu.constrain(m[0].weight, _clamp)
+    ours = pu.ema(m, 0.9)
+    att = pu.attach(m, opt) if how == "pu.attach" else None
+    xs = [torch.randn(6, 3) for _ in range(n)]
+    for x in xs:
+        ref_opt.zero_grad()
+        ref(x).square().mean().backward()
+        ref_opt.step()
+        with torch.no_grad():
+            ref[0].weight.copy_(_clamp(ref[0].weight))
+        avg.update_parameters(ref)
+        opt.zero_grad()
+        if att is not None:
+            m(x).square().mean().backward()
+            opt.step()
+        else:
+            with pu.step(m, opt):
+                m(x).square().mean().backward()
+    if att is not None:
+        att.detach()
+    return (ref.state_dict(), avg.module.state_dict()), (m.state_dict(), ours.state_dict())
+
+
+def _assert_same_bits(theirs, ours):
+    for a, b in zip(theirs, ours):
+        assert list(a) == list(b)
+        for k in a:
+            assert torch.equal(a[k].view(torch.int32), b[k].view(torch.int32)), k
+
+
+@pytest.mark.parametrize("how", ["pu.attach", "pu.step"])
+def test_an_optimizer_stepped_inside_the_step_of_the_one_a_commit_runs_is_part_of_it(how):
+    """A wrapper (a Lookahead here, holding its base as ._base_optimizer) steps the optimizer it wraps inside
+    its own step: that inner step is part of the owned one, so nothing is warned (filterwarnings = error),
+    and the rules ran once per step: bitwise plain PyTorch with the constraint and the EMA applied by hand."""
+    theirs, ours = _wrapped_run(lambda model: Lookahead(torch.optim.SGD(model.parameters(), lr=0.1)), how)
+    _assert_same_bits(theirs, ours)
+
+
+def test_a_forgotten_attach_of_a_wrapping_optimizer_still_warns():
+    m = nn.Linear(3, 2)
+    opt = Lookahead(torch.optim.SGD(m.parameters(), lr=0.1))
+    pu.constrain(m.weight, _clamp)
+    with pytest.warns(pu.AccountingWarning, match=r"pu.constrain\(_clamp\) declared at .* did not run: SGD.step\(\)"):
+        _loop(m, opt)
+
+
+@pytest.fixture
+def one_rank_gloo():
+    """A 1-process gloo group on 127.0.0.1 for the test, destroyed after it."""
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("torch.distributed unavailable, or a group is already initialized")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group(
+        "gloo",
+        rank=0,
+        world_size=1,
+        init_method=f"tcp://127.0.0.1:{port}",
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (torch.jit.script in ZeroRedundancyOptimizer's import)
+@pytest.mark.parametrize("how", ["pu.attach", "pu.step"])
+def test_zero_redundancy_optimizers_local_step_is_part_of_the_owned_one(one_rank_gloo, how):
+    """torch's ZeroRedundancyOptimizer steps its local optimizer (.optim) inside its own step."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    def make(model):
+        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
+
+    theirs, ours = _wrapped_run(make, how)
+    _assert_same_bits(theirs, ours)

@@ -11,7 +11,9 @@ torch has a global hook for exactly this (``torch.optim.optimizer.register_optim
 nothing. The hook compares what the commit of this optimizer step ran (:func:`applied`, told by the
 commit) with the rules that cover a tensor the optimizer stepped (one with a gradient), and warns once
 per rule with :class:`~paramupdates.AccountingWarning`, naming the rule, its declaration site, the
-tensors, the ``optimizer.step()`` call and the fix.
+tensors, the ``optimizer.step()`` call and the fix. An optimizer stepped inside the step of the one a commit
+runs, in the same thread (the base optimizer of a Lookahead, ``ZeroRedundancyOptimizer``'s local one: a
+wrapper's step steps the optimizer it holds), is part of that step, whatever attribute holds it.
 
 A compiled optimizer step (``torch.compile(optimizer.step)``) is not checked: the hooks do nothing while
 dynamo traces (what a commit notes in a traced frame is not replayed as this check needs). Its eager
@@ -61,11 +63,13 @@ def _unwrapped(optimizer: Any) -> list[Any]:
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Global optimizer step pre-hook: count nested steps (an optimizer subclass calling ``super().step()``
-    runs the hooks twice), so that the commit's rules are forgotten after the outermost one. (Not while
-    dynamo traces: a compiled ``optimizer.step`` is not checked, see the module docstring.)"""
+    """Global optimizer step pre-hook: note the steps in progress in this thread, nested ones included (an
+    optimizer subclass calling ``super().step()`` runs the hooks twice; a wrapper steps the optimizer it
+    wraps inside its own step), so that the commit's rules are forgotten after the outermost one and a step
+    nested in the one a commit runs is part of it. (Not while dynamo traces: a compiled ``optimizer.step``
+    is not checked, see the module docstring.)"""
     if not torch.compiler.is_compiling():
-        state.local.optimizer_depth += 1
+        state.local.stepping.append(weakref.ref(optimizer))
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -74,16 +78,17 @@ def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
     if torch.compiler.is_compiling():
         return
     p, local = state.process, state.local
-    done = local.applied
-    local.optimizer_depth = max(local.optimizer_depth - 1, 0)
-    if not local.optimizer_depth:
+    done, stepping = local.applied, local.stepping
+    if stepping:
+        stepping.pop()  # (this step's own entry: the innermost)
+    if not stepping:
         local.applied = None
     if not p.rules:
         return
     ran: Any = ()
     if done is not None:
         opt = done[0]()
-        if opt is optimizer or optimizer in _unwrapped(opt):
+        if opt is optimizer or optimizer in _unwrapped(opt) or _within(opt, stepping):
             ran = done[1]
     for rule, tensors in _covering(optimizer):
         if rule in ran or rule in p.warned or rule.removed:
@@ -92,6 +97,13 @@ def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
         if stepped:
             p.warned.add(rule)
             _warn(rule, stepped, optimizer, done is not None)
+
+
+def _within(optimizer: Any, stepping: list[Any]) -> bool:
+    """Whether ``optimizer``'s step is in progress in this thread around the step that just ended: that
+    step is part of it (a wrapper, a Lookahead or ``ZeroRedundancyOptimizer``, steps the optimizer it holds
+    inside its own step), whatever attribute holds the inner one."""
+    return optimizer is not None and any(ref() is optimizer for ref in stepping)
 
 
 _params_of = operator.itemgetter("params")

@@ -58,8 +58,10 @@ class Local(threading.local):
         self.applied: tuple[Any, list[Any]] | None = None
         """``(optimizer, rules)``: the commit that runs this thread's next ``optimizer.step()`` and the
         rules it applies (``accounting``: the global optimizer hook warns about the others)."""
-        self.optimizer_depth = 0
-        """How many ``optimizer.step()`` calls of this thread are running (nested: a subclass's ``super().step()``)."""
+        self.stepping: list[Any] = []
+        """The ``optimizer.step()`` calls of this thread that are running, outermost first (weak references to
+        their optimizers; nested: a subclass's ``super().step()``, the optimizer a wrapper steps: a Lookahead's
+        base optimizer, ``ZeroRedundancyOptimizer``'s local one)."""
         self.eager_log: EagerLog | None = None
         """The innermost checkpointed segment whose forward this thread runs outside a step: it
         notes the entry values of what it writes eagerly, for its recomputation."""
@@ -71,7 +73,7 @@ class Local(threading.local):
         self.conditions[0] = None
         self.replay = None
         self.applied = None
-        self.optimizer_depth = 0
+        self.stepping.clear()
         self.eager_log = None
 
 

@@ -12,7 +12,9 @@ Only the way the running statistics change differs. In train mode with
 * ``running_var  <- (1 - a) * running_var  + a * var_B(x) * n / (n - 1)``
 
 with ``a = momentum``, or ``a = 1 / num_batches_tracked`` (the value after
-the increment: a cumulative average) when ``momentum=None``. ``mean_B`` and
+the increment: a cumulative average) when ``momentum=None`` (under a ``pu.when(tensor)`` condition
+the factor stays on the device, so that neither the condition nor a count it left pending is read on
+the host, with the same arithmetic as PyTorch's kernel). ``mean_B`` and
 ``var_B`` are the statistics of the batch over every dimension but the
 channel one, ``n`` the number of values per channel.
 
@@ -59,6 +61,12 @@ __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "Update
 def _updated_by(cls: type) -> str:
     """What a batch norm of class ``cls`` updates, in the user's terms (``Origin.by``)."""
     return f"{cls.__name__} running statistics"
+
+
+def _device_factor(count: Tensor) -> Tensor:
+    """``1 / count`` as torch's cumulative average takes it (``1.0 / float(count)``: a double), computed on
+    the count's device (at least 1: a count the user set below zero gives no division by zero)."""
+    return 1.0 / count.clamp_min(1).double()
 
 
 class UpdateSafeBatchNorm:
@@ -109,18 +117,21 @@ class UpdateSafeBatchNorm:
             b = self._buffers
             rm, rv, nbt = b.get("running_mean"), b.get("running_var"), b.get("num_batches_tracked")
         assert rm is not None and rv is not None  # (pending values inside a step: rule 1)
-        factor = 0.0 if self.momentum is None else float(self.momentum)
+        factor: float | Tensor = 0.0 if self.momentum is None else float(self.momentum)
         counted: list[tuple[Tensor, str, Any, Tensor]] = []
         if nbt is not None:
             new_nbt = nbt + 1
             counted.append((nbt, "assign_add", 1, new_nbt))
             if self.momentum is None:
-                # the cumulative average uses the incremented count (as a pu.when condition leaves it)
-                cond = current_condition()
-                seen = torch.where(cond, new_nbt, nbt) if isinstance(cond, Tensor) else new_nbt
-                factor = 1.0 / float(seen)
+                # the cumulative average uses the incremented count, as torch's (1 / float(count), on the
+                # host). Under a tensor condition the factor stays on the device (the count may hold a
+                # pending conditional value: reading it would read the condition, rule 6); the increment
+                # is taken whatever the condition: where it is False the statistics are not kept anyway
+                factor = _device_factor(new_nbt) if isinstance(current_condition(), Tensor) else 1.0 / float(new_nbt)
         if not compiling and torch._C._functorch.maybe_current_level() is not None:  # under torch.func
             out, new_mean, new_var = self._functional_stats(input, rm, rv, factor)
+        elif isinstance(factor, Tensor):
+            new_mean, new_var, out = self._batch_stats_by(input, rm, rv, factor)
         else:
             new_mean, new_var, out = self._batch_stats(input, rm, rv, factor)
         sync = "mean" if self.sync_stats else None
@@ -157,7 +168,23 @@ class UpdateSafeBatchNorm:
         )
         return new_mean, new_var, out
 
-    def _functional_stats(self, input: Tensor, rm: Tensor, rv: Tensor, factor: float) -> tuple[Tensor, Tensor, Tensor]:
+    def _batch_stats_by(self, input: Tensor, rm: Tensor, rv: Tensor, factor: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The statistics with a factor on the device (``momentum=None`` under a tensor condition): the
+        kernel gives the batch's mean and unbiased variance (momentum 1 into zeroed copies: exactly those
+        values), then they are averaged in with the kernel's own arithmetic (ATen's CPU update of the
+        running statistics: the factor rounded to the statistics' dtype, the mean averaged in that dtype,
+        the variance summed in double). Bitwise torch's statistics on CPU (contiguous and channels_last
+        inputs); equal to rounding where torch's kernel rounds otherwise (CUDA, a strided input)."""
+        mean, unbiased, out = self._batch_stats(input, torch.zeros_like(rm), torch.zeros_like(rv), 1.0)
+        a = factor.to(rm.dtype)
+        new_mean = a * mean + (1 - a) * rm
+        b = factor.to(rv.dtype)
+        new_var = (b.double() * unbiased.double() + ((1 - b) * rv).double()).to(rv.dtype)
+        return new_mean, new_var, out
+
+    def _functional_stats(
+        self, input: Tensor, rm: Tensor, rv: Tensor, factor: float | Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """Out-of-place statistics for ``torch.func`` (vmap cannot write into unbatched copies)."""
         dims = [0, *range(2, input.dim())]
         x = input.detach()

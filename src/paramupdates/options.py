@@ -64,8 +64,8 @@ class StepOptions:
             optimizer (the verdict is taken on the device), one read of ``found_inf`` otherwise. Under ``pu.attach`` the loop keeps calling
             ``scaler.step(optimizer)`` and ``scaler.update()``: the attachment wraps ``scaler.step``
             on that scaler instance to see the steps it skips (``detach()`` unwraps it). Without
-            ``scaler=``, an attachment's pending updates carry over a step the scaler skips into
-            the next ``optimizer.step()``, as under gradient accumulation.
+            ``scaler=`` the attachment takes the first ``GradScaler`` that steps its optimizer
+            (``GradScaler.step`` is watched from the first ``pu.attach`` on), with the same semantics.
     """
 
     on_nonfinite: str | None = None

@@ -23,6 +23,10 @@ The rules interpreted
       (by a fresh layer, or by a wrapper around it), the rule covers ``i.<name>`` in the model from then on,
       whatever holds the old layer. A fresh layer of the same kind is covered by name; a wrapper renames
       ``i.weight`` to ``i.inner.weight``, so the next step raises naming the vanished ``i.weight``.
+    * A rule writes a tensor once per step however many covered names hold it: weights tied between
+      steps (``model[j].weight = model[i].weight``, as transformers' ``tie_weights()``) and untied again.
+    * A layer deleted and another inserted in its place (``del model[i]; model.insert(i, ...)``, the old
+      one held or not) is followed by place like a replaced one.
     * ``weight_decay`` (phase ``before_grad``): for each covered tensor that is in the optimizer's param
       groups and has a ``.grad``: ``p.mul_(1 - lr_of_its_group * rate)``.
     * the optimizer's own step (the real ``torch.optim`` one, on this side's copy of the model);
@@ -36,6 +40,7 @@ The rules interpreted
 from __future__ import annotations
 
 import copy
+import gc
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,7 +52,7 @@ from torch.nn.utils import parametrize
 
 LINEARS = (0, 2, 3)  # the positions of the Linear layers in the model
 STEPS = 6
-ACTIONS = ("replace", "wrap", "load", "parametrize", "freeze", "unfreeze", "to")
+ACTIONS = ("replace", "readd", "tie", "untie", "wrap", "load", "parametrize", "freeze", "unfreeze", "to")
 
 
 # --- the model and what users do to it ------------------------------------------------------------
@@ -190,21 +195,37 @@ def _covered_weights(rules: list[RuleSpec]) -> list[int]:
     return sorted({r.layer for r in rules if r.on == "layer"})
 
 
-def _action(rng: random.Random, plan: Plan, dtype: list[str], parametrized: set[int]) -> tuple | None:
-    kinds = ["replace", "replace", "wrap", "load", "parametrize", "freeze", "unfreeze"]
+def _action(
+    rng: random.Random, plan: Plan, dtype: list[str], parametrized: set[int], tied: set[int]
+) -> tuple | None:
+    kinds = ["replace", "replace", "readd", "tie", "untie", "wrap", "load", "parametrize", "freeze", "unfreeze"]
     if plan.optimizer == "sgd":
         kinds += ["to", "to"]
     kind = rng.choice(kinds)
     i = rng.choice(LINEARS)
-    if kind == "replace":
+    if kind in ("replace", "readd"):
         parametrized.discard(i)
-        return ("replace", i, rng.random() < 0.5, rng.random() < 0.5)  # keep the old one, add_param_group
+        tied.discard(i)
+        return (kind, i, rng.random() < 0.5, rng.random() < 0.5)  # keep the old one, add_param_group
+    if kind == "tie":  # (model[j].weight = model[i].weight: two plain Linear weights, neither parametrized)
+        free = [j for j in LINEARS if j not in parametrized and j not in tied]
+        if len(free) < 2:
+            return None
+        src, dst = rng.sample(free, 2)
+        tied.add(dst)
+        return ("tie", src, dst)
+    if kind == "untie":
+        if not tied:
+            return None
+        j = rng.choice(sorted(tied))
+        tied.discard(j)
+        return ("untie", j)
     if kind == "wrap":
         return ("wrap", i, rng.random() < 0.5)
     if kind == "load":
         return ("load", rng.choice(["rebuild", "add"]))
     if kind == "parametrize":
-        free = [j for j in (_covered_weights(plan.rules) or LINEARS) if j not in parametrized]
+        free = [j for j in (_covered_weights(plan.rules) or LINEARS) if j not in parametrized and j not in tied]
         if not free:
             return None
         i = rng.choice(free)
@@ -222,10 +243,10 @@ def make_plan(seed: int) -> Plan:
     opt = rng.choice(["sgd", "sgd", "momentum", "adam"])
     rules, logit = _rules(rng)
     plan = Plan(seed, opt, rng.choice([0.1, 0.05]), rng.choice(["attach", "step"]), rng.random() < 0.5, logit, rules)
-    dtype, parametrized = ["float32"], set()
+    dtype, parametrized, tied = ["float32"], set(), set()
     for step in range(STEPS):
         n = rng.choices([0, 1, 2], [0.45, 0.4, 0.15] if step else [0.7, 0.3, 0.0])[0]
-        actions = [_action(rng, plan, dtype, parametrized) for _ in range(n)]
+        actions = [_action(rng, plan, dtype, parametrized, tied) for _ in range(n)]
         plan.steps.append([a for a in actions if a is not None])
     return plan
 
@@ -267,6 +288,22 @@ class Session:
             model[i] = fresh_linear((self.plan.seed, step, k), self.dtype)
             if add:
                 self.opt.add_param_group({"params": list(model[i].parameters())})
+        elif kind == "readd":  # the layer deleted, then a new one inserted in its place (no hook, same size)
+            _, i, keep, add = action
+            if keep:
+                self.kept.append(model[i])
+            del model[i]
+            gc.collect()  # (not held: the new layer may be made where the old one was)
+            model.insert(i, fresh_linear((self.plan.seed, step, k), self.dtype))
+            if add:
+                self.opt.add_param_group({"params": list(model[i].parameters())})
+        elif kind == "tie":  # what transformers' tie_weights() does
+            _, i, j = action
+            model[j].weight = model[i].weight
+        elif kind == "untie":
+            j = action[1]
+            model[j].weight = nn.Parameter(model[j].weight.detach().clone())
+            self.opt.add_param_group({"params": [model[j].weight]})
         elif kind == "wrap":
             _, i, add = action
             model[i] = wrap(model[i], (self.plan.seed, step, k), self.dtype)
@@ -315,9 +352,20 @@ class Declared:
 
 
 def _named(module: nn.Module, buffers: bool) -> dict[str, torch.Tensor]:
-    out = dict(module.named_parameters())
+    """Every name, a tensor tied under two names under both (a rule covers names)."""
+    out = dict(module.named_parameters(remove_duplicate=False))
     if buffers:
-        out.update(module.named_buffers())
+        out.update(module.named_buffers(remove_duplicate=False))
+    return out
+
+
+def _once(tensors: Any) -> list[torch.Tensor]:
+    """Each tensor once, at its first name: a rule writes a tensor once per step, however many of its
+    names hold it (tied weights)."""
+    out: list[torch.Tensor] = []
+    for t in tensors:
+        if not any(t is u for u in out):
+            out.append(t)
     return out
 
 
@@ -345,7 +393,7 @@ class Reference(Session):
         return rule
 
     def act(self, step: int, k: int, action: tuple) -> None:
-        if action[0] in ("replace", "wrap"):
+        if action[0] in ("replace", "readd", "wrap"):
             i, old = action[1], self.model[action[1]]
             for rule in self.rules:
                 if rule.module is old:  # the rule follows the layer's place in the model
@@ -385,7 +433,7 @@ class Reference(Session):
         with torch.no_grad():
             for rule, tensors in resolved:
                 if rule.spec.kind == "constrain":
-                    for w in tensors.values():
+                    for w in _once(tensors.values()):
                         w.copy_(rule.constraint(w))
             for rule, tensors in resolved:
                 if rule.spec.kind == "ema":
@@ -395,15 +443,19 @@ class Reference(Session):
         """``p <- p * (1 - lr * rate)`` for each covered tensor the optimizer steps (has a ``.grad``)."""
         lr_of = {id(p): g["lr"] for g in self.opt.param_groups for p in g["params"]}
         for rule, tensors in resolved:
-            for p in tensors.values():
+            for p in _once(tensors.values()):
                 if id(p) in lr_of and p.grad is not None:
                     p.mul_(1 - lr_of[id(p)] * rule.spec.value)
 
     def _ema(self, rule: Declared, tensors: dict[str, torch.Tensor]) -> None:
         """The copy follows the model's dtype; then ``a.lerp_(p, 1 - decay)`` (floating) or ``a.copy_(p)``."""
         avg = _named(rule.copy, True)
+        done: list[torch.Tensor] = []
         for name, p in tensors.items():
             a = avg[name]
+            if any(a is d for d in done):
+                continue  # (a copy tensor under two names: averaged once)
+            done.append(a)
             if a.dtype != p.dtype:
                 a.data = a.data.to(p.dtype)
             if p.is_floating_point():

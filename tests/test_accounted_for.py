@@ -4,7 +4,7 @@ Each seeded sequence (``accounting_reference.make_plan``) builds a tiny model an
 a subset of ``pu.weight_decay`` / ``pu.constrain(max_norm)`` / ``pu.ema`` (on the model, on one layer, or
 on a ``logit_scale`` the optimizer steps but the model does not hold), drives it with ``pu.attach`` (an
 unchanged loop) or ``pu.step``, and between steps does what users do: replace a layer (keeping the old one
-or not, with or without ``opt.add_param_group``), wrap one LoRA-style, ``load_state_dict(assign=True)``
+or not, with or without ``opt.add_param_group``), delete one and insert another in its place, tie two weights and untie them, wrap one LoRA-style, ``load_state_dict(assign=True)``
 (then rebuild the optimizer or add the new tensors), register a parametrization, freeze and unfreeze,
 ``model.to(float64)`` and back. After every step the model, the optimizer state, the EMA copy and
 ``logit_scale`` must equal, bitwise, ``accounting_reference.Reference``: plain torch, the same rules

@@ -251,6 +251,8 @@ class WeightDecay(DeclaredRule):
         if self._layout(groups) != layout:
             return False
         params = list(itertools.chain.from_iterable([g["params"] for g in groups]))
+        if not layout[3] and self._tied:
+            live = [t for t in live if t is not None]  # (a tied name's gap, as plan_key left it out)
         return refs.same(params) and self._grad_key(params if layout[3] else live) == grad_key
 
     def _layout(self, groups: list[dict]) -> tuple:

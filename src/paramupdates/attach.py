@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import routing, state
+from . import accounting, routing, state
 from .commit import Commit
 from .errors import AccountingWarning, UpdateError, listed
 from .journal import Journal
@@ -338,6 +338,10 @@ class Attachment(Owner):
 
     def _pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         if routing.committing_optimizer(optimizer) or self._model_ref.gone:
+            return None
+        if self._stage is not COMMITTING and accounting.initialising(optimizer):
+            # torch.distributed.checkpoint making a fresh optimizer's state (zero gradients, zero learning
+            # rate): no optimizer update, so no step: the pending updates wait for the next one, no rule runs
             return None
         if self._stage is COMMITTING and self._inside_own_step():
             # A nested step: an optimizer subclass calling super().step(), whose

@@ -30,6 +30,7 @@ import operator
 import sys
 import warnings
 import weakref
+from types import FrameType
 from typing import Any
 
 import torch
@@ -128,7 +129,7 @@ def initialising(optimizer: Any) -> bool:
                 return False
         elif lr != 0:
             return False
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_code is code:
             optim = frame.f_locals.get("optim")

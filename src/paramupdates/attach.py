@@ -129,6 +129,20 @@ class Attachment(Owner):
         self._scaler_fn = self._wrap_scaler(scaler) if scaler is not None else None
         routing.add_attachment(self)
 
+    @staticmethod
+    def _forget(_ref: Any) -> None:
+        """Model or optimizer collected: drop every attachment left without one, warning for each whose
+        pending updates a ``state_dict()`` (or pickling, a deep copy) saved the model without: that copy
+        lacks them for good (:func:`_warn_pending`). (Pending updates that nothing saved go with the model,
+        unwarned: nothing that outlives it lacks them.)"""
+        if routing is None:  # interpreter shutdown: module globals are cleared, nothing to keep tidy
+            return
+        gone = [a for a in routing.attachments() if a.model is None or a.optimizer is None]
+        routing.prune_attachments()
+        for att in gone:
+            if att.journal is not None and att.journal.missed is not None:
+                _warn_pending(att, "its model was collected")
+
     @classmethod
     def of(cls, model: nn.Module) -> Attachment | None:
         """The live attachment of ``model`` (made by ``pu.attach(model, ...)``), or ``None``.
@@ -663,10 +677,15 @@ def _warn_pending(att: Attachment, why: str) -> None:
     names = j.pending_names() if j is not None and j.state == "open" else []
     if not names:
         return
+    saved = (
+        f": {j.missed} saved the model's stored values without them, and no optimizer.step() came after to commit them"
+        if j is not None and j.missed is not None
+        else ""
+    )
     warnings.warn(
         f"{att.label}: updates of {listed(list(map(repr, names)), 5)} were issued after the last "
         f"optimizer.step() and are still pending when {why}: they were never committed, and are in no "
-        "state_dict (a train-mode forward after the last optimizer.step(), say). Call attachment.flush() "
+        f"state_dict{saved} (a train-mode forward after the last optimizer.step(), say). Call attachment.flush() "
         "after the last forward to commit them without an optimizer step (attachment.discard() drops them, "
         "as does a forward in model.eval()); pu.Attachment.of(model) finds the attachment.",
         AccountingWarning,

@@ -63,7 +63,8 @@ class Attachment(Owner):
     statistics), call :meth:`flush` to commit the pending updates without a gradient update, or
     :meth:`discard` to drop them. Updates still pending when the process exits are never
     committed: warned (:class:`~paramupdates.AccountingWarning`). (An attachment with pending updates
-    holds its optimizer: it goes only with its model, which takes the updates along.)
+    holds its optimizer: it goes only with its model, which takes the updates along; warned then if a
+    ``state_dict()``, pickling or a deep copy saved the model without them.)
     :meth:`detach` removes the hooks (and drops pending updates). ``applied`` and ``skipped_count`` tell,
     as tensors read without a wait, whether the last step was applied and how many were skipped
     (``steps`` / ``skipped_steps``: the same as Python ints).

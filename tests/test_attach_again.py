@@ -152,3 +152,76 @@ def test_pending_updates_at_exit_are_warned_unless_flushed(flush):
     else:
         assert "AccountingWarning" in out.stderr and "the process exits" in out.stderr
         assert "'1.running_mean'" in out.stderr and "flush()" in out.stderr and "<string>:5" in out.stderr
+
+
+def _train_then_save(model, path, xs, *, last, after=None):
+    """Under pu.attach: a step per batch of ``xs``; then ``last`` (``"forward"``: a final train-mode forward
+    after the last optimizer.step(); ``"mid-step"``: the next batch's forward and backward, the checkpoint
+    saved before its optimizer.step()); then ``torch.save(model.state_dict())`` and, for ``"mid-step"``,
+    that optimizer.step(). ``after(attachment)`` runs before the save. The function returns: the model,
+    its optimizer and attachment go."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    att = pu.attach(model, opt)  # MARK: attach
+    for x in xs[:-1]:
+        opt.zero_grad()
+        model(x).square().sum().backward()
+        opt.step()
+    if last == "forward":
+        model(xs[-1])
+    else:
+        opt.zero_grad()
+        model(xs[-1]).square().sum().backward()
+    if after is not None:
+        after(att)
+    torch.save(model.state_dict(), path)  # MARK: save
+    if last == "mid-step":
+        opt.step()
+
+
+def test_pending_updates_a_state_dict_missed_are_warned_when_the_model_is_collected(tmp_path):
+    """A final train-mode forward after the last optimizer.step(), then torch.save(model.state_dict()), and
+    the function returns: the file holds 3 batches of statistics where plain PyTorch saves 4, and when the
+    model is collected (its pending updates with it) that is warned, naming the attachment's call site, the
+    targets, the state_dict() call and flush() / discard(). (Before, nothing was warned: the at-exit warning
+    covers models alive at exit only.) With flush() before the save, the file is plain PyTorch's bitwise and
+    nothing is warned; nor is a checkpoint saved inside a step (before its optimizer.step(), which commits
+    the pending updates: documented, tests/test_serialization.py), nor a model dropped with pending updates
+    that nothing saved (a sweep over trial models: nothing that outlives the model lacks them)."""
+    xs = _batches(4)
+    ref, _ = _nets()
+    _plain_steps(ref, xs[:3])
+    ref(xs[3])  # plain PyTorch: the final forward's statistics are in the model at once
+    plain = ref.state_dict()
+    assert int(plain["1.num_batches_tracked"]) == 4
+
+    with pytest.warns(pu.AccountingWarning) as caught:
+        _train_then_save(_nets()[1], tmp_path / "lost.pt", xs, last="forward")
+        gc.collect()
+    (w,) = caught
+    message = str(w.message)
+    assert "its model was collected" in message and "'1.running_mean'" in message
+    assert f"pu.attach(Sequential) at tests/test_attach_again.py:{_line_of('MARK: attach')}" in message
+    assert f"state_dict() at tests/test_attach_again.py:{_line_of('MARK: save')}" in message
+    assert "flush()" in message and "discard()" in message
+    assert int(torch.load(tmp_path / "lost.pt")["1.num_batches_tracked"]) == 3  # what was lost
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", pu.AccountingWarning)
+        _train_then_save(_nets()[1], tmp_path / "flushed.pt", xs, last="forward", after=lambda att: att.flush())
+        _train_then_save(_nets()[1], tmp_path / "inside.pt", xs, last="mid-step")
+        _trial(xs)  # a trial of a sweep: dropped with its final forward's statistics pending, unsaved
+        gc.collect()
+    assert_same(list(plain.items()), list(torch.load(tmp_path / "flushed.pt").items()))
+    assert int(torch.load(tmp_path / "inside.pt")["1.num_batches_tracked"]) == 3  # (the state before batch 4)
+
+
+def _trial(xs):
+    """A trial of a sweep under pu.attach: a step per batch, a final train-mode forward, nothing saved."""
+    model = _nets()[1]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pu.attach(model, opt)
+    for x in xs[:-1]:
+        opt.zero_grad()
+        model(x).square().sum().backward()
+        opt.step()
+    model(xs[-1])

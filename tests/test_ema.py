@@ -659,3 +659,46 @@ def test_a_dcp_checkpoint_keeps_t_through_the_attachment_and_says_when_the_copy_
             dcp.load({"swa": avg3}, checkpoint_id=tmp_path / "ckpt")
     assert rule_of(avg3).updates == 0
     assert_same(snapshot(avg), snapshot(avg3))  # (the average itself is there)
+
+
+def test_torchs_dcp_load_recipe_with_the_copys_state_dict_resumes_like_the_uninterrupted_run(tmp_path):
+    """torch's recipe for ``torch.distributed.checkpoint``: ``st = {"model": model.state_dict(), "ema":
+    copy.state_dict(), "pu": attachment, ...}``, ``dcp.load(st)``, then each module loads its entry. The
+    attachment restores t = 3; the copy then loads its own pre-load dict (made when t was 0, its tensors
+    loaded in place): t stays 3, and the resumed warmup EMA equals the uninterrupted run bitwise. (Before,
+    that load set t back to 0: the attachment's state_dict, taken by DCP in between, had made the copy
+    make another state_dict, and only the last one was known as the copy's own.)"""
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    import warnings
+
+    def setup():
+        pu.testing.reset()
+        torch.manual_seed(0)
+        net = pu.convert(_bn_net())
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)  # (no state: a fresh one loads none)
+        return net, opt, pu.ema(net, 0.99, warmup=10), pu.attach(net, opt)
+
+    def train(net, opt, xs):
+        for x in xs:
+            net(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    xs = _data(6)
+    net, opt, avg, att = setup()
+    train(net, opt, xs[:3])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # (one process)
+        st = {"model": net.state_dict(), "ema": avg.state_dict(), "pu": att}
+        dcp.save(st, checkpoint_id=tmp_path / "ckpt")
+        train(net, opt, xs[3:])  # the uninterrupted run
+        net2, opt2, avg2, att2 = setup()
+        st = {"model": net2.state_dict(), "ema": avg2.state_dict(), "pu": att2}
+        dcp.load(st, checkpoint_id=tmp_path / "ckpt")
+    assert rule_of(avg2).updates == 3  # (the attachment's state)
+    net2.load_state_dict(st["model"])
+    avg2.load_state_dict(st["ema"])
+    assert rule_of(avg2).updates == 3
+    train(net2, opt2, xs[3:])
+    assert rule_of(avg2).updates == 6
+    assert_same(snapshot(net, avg, opt), snapshot(net2, avg2, opt2))

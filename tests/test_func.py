@@ -152,3 +152,57 @@ def test_torch_func_functional_call_with_parameters_only_inside_a_step():
     functional_call(ref, _state(ref)[0], (x,))
     for k, v in ref.named_buffers():
         assert torch.equal(bits(dict(net.named_buffers())[k]), bits(v)), k
+
+
+@pytest.mark.parametrize("buffers", ["none", "copies", "own"])
+@pytest.mark.parametrize("forward_first", [False, True])
+def test_a_look_ahead_after_the_steps_own_forward_returns_its_updates_and_writes_nothing(forward_first, buffers):
+    """A look-ahead with fast weights (MAML style) inside a step: ``pu.func.functional_call`` after the step's
+    own forward returns its updates, computed from the statistics that forward left pending, and writes
+    nothing, as without that forward: the step commits its own forward's statistics only. With the model's
+    buffers (``"none"``), copies of them or the buffers themselves (``"own"``, which show the pending values)
+    passed in. Against plain ``torch.func.functional_call`` with ``torch.nn.BatchNorm1d``, bitwise (its
+    look-ahead statistics written into copies of the buffers passed, or into the model's own, then put back
+    to what its own forward left). (Before, after the step's forward it returned no updates and the step
+    committed the look-ahead's statistics, or, with the buffers themselves passed, the commit raised that
+    they were converted or replaced.)"""
+    net, ref = pu.convert(_net(nn.BatchNorm1d)), _net(nn.BatchNorm1d)
+    opt, ropt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (net, ref))
+    x, y = torch.randn(8, 3), torch.randn(8, 3)
+
+    def look_ahead(model, call, kind):
+        loss = model(x).square().mean() if forward_first else 0
+        fast = {k: v - 0.1 for k, v in model.named_parameters()}
+        own = dict(model.named_buffers())
+        passed = {"none": {}, "copies": {k: v.clone() for k, v in own.items()}, "own": own}[kind]
+        out, new = call(model, {**fast, **passed}, (y,))
+        return loss + out.square().mean(), passed if new is None else new
+
+    with pu.step(net, opt):
+        loss, new = look_ahead(net, pu.func.functional_call, buffers)
+        loss.backward()
+    # (plain torch writes into the buffers passed: given copies where pu.func is given the model's own)
+    plain = {"own": "copies"}.get(buffers, buffers)
+    rloss, rnew = look_ahead(ref, lambda m, d, a: (functional_call(m, d, a), None), plain)
+    if buffers == "none":
+        rnew = {k: v.clone() for k, v in ref.named_buffers()}
+    rloss.backward()
+    ropt.step()
+    if buffers == "none":
+        with torch.no_grad():
+            for v, own in zip(ref.buffers(), _forward_only(x, forward_first).buffers()):
+                v.copy_(own)
+    assert sorted(new) == sorted(rnew) == ["1.num_batches_tracked", "1.running_mean", "1.running_var"]
+    for k in rnew:
+        assert torch.equal(bits(new[k]), bits(rnew[k])), k
+    assert int(net[1].num_batches_tracked) == int(forward_first)
+    for (k, v), (rk, rv) in zip(net.state_dict().items(), ref.state_dict().items()):
+        assert k == rk and torch.equal(bits(v), bits(rv)), k
+
+
+def _forward_only(x, forward_first):
+    """A plain ``_net`` after the step's own forward (if any) only: the statistics that step commits."""
+    m = _net(nn.BatchNorm1d)
+    if forward_first:
+        m(x)
+    return m

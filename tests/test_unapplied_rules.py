@@ -5,6 +5,7 @@ site, the tensors, the call and the fix; nothing is warned where the rules run, 
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import textwrap
@@ -230,3 +231,71 @@ def test_zero_redundancy_optimizers_local_step_is_part_of_the_owned_one(one_rank
 
     theirs, ours = _wrapped_run(make, how)
     _assert_same_bits(theirs, ours)
+
+
+@pytest.mark.parametrize("use", ["step", "attach"])
+def test_torchs_dcp_resume_recipe_warns_nothing_and_resumes_like_the_uninterrupted_run(use, tmp_path):
+    """torch's recipe for resuming with ``torch.distributed.checkpoint``: fresh model and optimizer,
+    ``get_state_dict(model, opt)`` (on a fresh optimizer it makes the state by one ``optimizer.step()`` with
+    zero gradients and a zero learning rate), ``dcp.load``, ``set_state_dict``. That step is no optimizer
+    update: nothing is warned (before, two AccountingWarnings named pu.constrain and pu.ema as left out of a
+    step), an attachment commits nothing in it (before, its EMA counted an update there), and the resumed
+    run equals the uninterrupted one bitwise. A zero-lr ``optimizer.step()`` of the user's own, outside any
+    commit, still warns."""
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from conftest import assert_same, snapshot
+
+    def setup():
+        pu.testing.reset()
+        torch.manual_seed(0)
+        net = pu.convert(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 1)))
+        opt = torch.optim.AdamW(net.parameters(), lr=0.1)
+        pu.constrain(net[0].weight, pu.max_norm(1.0))
+        avg = pu.ema(net, 0.9, warmup=10)
+        att = pu.attach(net, opt) if use == "attach" else None
+        return net, opt, avg, att
+
+    def train(net, opt, xs):
+        for x in xs:
+            with pu.step(net, opt) if use == "step" else contextlib.nullcontext():
+                net(x).square().mean().backward()
+            if use == "attach":
+                opt.step()
+            opt.zero_grad()
+
+    def stateful(avg, att):
+        return {"ema": pu.rules.ema.rule_of(avg)} if att is None else {"pu": att}
+
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(8, 3, generator=g) for _ in range(5)]
+    net, opt, avg, att = setup()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", pu.AccountingWarning)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # (one process)
+        train(net, opt, xs[:3])
+        msd, osd = get_state_dict(net, opt)
+        dcp.save({"model": msd, "optim": osd, **stateful(avg, att)}, checkpoint_id=tmp_path / "ckpt")
+        train(net, opt, xs[3:])  # the uninterrupted run
+        net2, opt2, avg2, att2 = setup()
+        msd, osd = get_state_dict(net2, opt2)  # a fresh optimizer: its state made by a zero-lr step
+        assert pu.rules.ema.rule_of(avg2).updates == 0 and (att2 is None or att2.steps == 0)
+        st = {"model": msd, "optim": osd, **stateful(avg2, att2)}
+        dcp.load(st, checkpoint_id=tmp_path / "ckpt")
+        set_state_dict(net2, opt2, model_state_dict=st["model"], optim_state_dict=st["optim"])
+        assert pu.rules.ema.rule_of(avg2).updates == 3
+        train(net2, opt2, xs[3:])
+    assert_same(snapshot(net, avg), snapshot(net2, avg2))
+    moments = [
+        [(f"{i}.{k}", v) for i, st in o.state_dict()["state"].items() for k, v in st.items()] for o in (opt, opt2)
+    ]
+    assert_same(*moments)
+    if att2 is not None:
+        att2.detach()
+    for group in opt2.param_groups:
+        group["lr"] = 0.0
+    net2(xs[0]).square().mean().backward()
+    with pytest.warns(pu.AccountingWarning) as caught:
+        opt2.step()  # (a step of the loop, lr 0 or not, outside any commit: the rules are left out)
+    assert sorted(str(w.message).split(" declared")[0] for w in caught) == ["pu.constrain(max_norm)", "pu.ema"]

@@ -15,6 +15,12 @@ tensors, the ``optimizer.step()`` call and the fix. An optimizer stepped inside 
 runs, in the same thread (the base optimizer of a Lookahead, ``ZeroRedundancyOptimizer``'s local one: a
 wrapper's step steps the optimizer it holds), is part of that step, whatever attribute holds it.
 
+The one ``optimizer.step()`` that is no optimizer update: ``torch.distributed.checkpoint.state_dict``'s
+``get_state_dict`` / ``get_optimizer_state_dict`` on a fresh optimizer make its state by stepping it once
+with zero gradients and a zero learning rate (``_init_optim_state``), which changes no parameter. No rule
+is to run there, so none is left out: :func:`initialising` recognises that step (the call on the stack,
+every learning rate zero), and neither this check nor an attachment's commit takes it for a step.
+
 A compiled optimizer step (``torch.compile(optimizer.step)``) is not checked: the hooks do nothing while
 dynamo traces (what a commit notes in a traced frame is not replayed as this check needs). Its eager
 steps, the first ones before compiling included, are.
@@ -23,8 +29,10 @@ steps, the first ones before compiling included, are.
 from __future__ import annotations
 
 import operator
+import sys
 import warnings
 import weakref
+from types import FrameType
 from typing import Any
 
 import torch
@@ -90,13 +98,49 @@ def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
         opt = done[0]()
         if opt is optimizer or optimizer in _unwrapped(opt) or _within(opt, stepping):
             ran = done[1]
+    left_out = []
     for rule, tensors in _covering(optimizer):
         if rule in ran or rule in p.warned or rule.removed:
             continue
         stepped = [t for t in tensors if t.grad is not None]
         if stepped:
-            p.warned.add(rule)
-            _warn(rule, stepped, optimizer, done is not None)
+            left_out.append((rule, stepped))
+    if left_out and initialising(optimizer):
+        return  # (a state made for a checkpoint to load into: no optimizer update, no rule to run)
+    for rule, stepped in left_out:
+        p.warned.add(rule)
+        _warn(rule, stepped, optimizer, done is not None)
+
+
+_DCP_STATE_DICT = "torch.distributed.checkpoint.state_dict"
+
+
+def initialising(optimizer: Any) -> bool:
+    """Whether this ``optimizer.step()`` is the one ``torch.distributed.checkpoint.state_dict`` makes to
+    create a fresh optimizer's state (``_init_optim_state``, called by ``get_state_dict`` and
+    ``get_optimizer_state_dict`` to have a state for ``dcp.load`` to load into): every gradient a zero
+    tensor it made, every learning rate zero, so no parameter changes. Recognised by that function on the
+    stack, stepping this optimizer (or one that wraps it), with every group's learning rate zero: a step of
+    the training loop is never made inside it. Cheap where it cannot be: the module not imported, or a
+    learning rate that is not zero (a host-side number, or a CPU tensor), answer before any frame is read."""
+    mod = sys.modules.get(_DCP_STATE_DICT)
+    code = getattr(getattr(mod, "_init_optim_state", None), "__code__", None)
+    if code is None or torch.compiler.is_compiling():
+        return False
+    for group in optimizer.param_groups:
+        lr = group.get("lr", 0.0)
+        if isinstance(lr, torch.Tensor):
+            if lr.device.type != "cpu" or lr.numel() != 1 or lr.item() != 0:
+                return False
+        elif lr != 0:
+            return False
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            optim = frame.f_locals.get("optim")
+            return optim is not None and (optimizer in _unwrapped(optim) or optim in _unwrapped(optimizer))
+        frame = frame.f_back
+    return False
 
 
 def _within(optimizer: Any, stepping: list[Any]) -> bool:

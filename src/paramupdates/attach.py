@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import routing, state
+from . import accounting, routing, state
 from .commit import Commit
 from .errors import AccountingWarning, UpdateError, listed
 from .journal import Journal
@@ -90,7 +90,8 @@ class Attachment(Owner):
     statistics), call :meth:`flush` to commit the pending updates without a gradient update, or
     :meth:`discard` to drop them. Updates still pending when the process exits are never
     committed: warned (:class:`~paramupdates.AccountingWarning`). (An attachment with pending updates
-    holds its optimizer: it goes only with its model, which takes the updates along.)
+    holds its optimizer: it goes only with its model, which takes the updates along; warned then if a
+    ``state_dict()``, pickling or a deep copy saved the model without them.)
     :meth:`detach` removes the hooks (and drops pending updates). ``applied`` and ``skipped_count`` tell,
     as tensors read without a wait, whether the last step was applied and how many were skipped
     (``steps`` / ``skipped_steps``: the same as Python ints).
@@ -159,6 +160,20 @@ class Attachment(Owner):
         if scaler is None:
             see_scalers()
         routing.add_attachment(self)
+
+    @staticmethod
+    def _forget(_ref: Any) -> None:
+        """Model or optimizer collected: drop every attachment left without one, warning for each whose
+        pending updates a ``state_dict()`` (or pickling, a deep copy) saved the model without: that copy
+        lacks them for good (:func:`_warn_pending`). (Pending updates that nothing saved go with the model,
+        unwarned: nothing that outlives it lacks them.)"""
+        if routing is None:  # interpreter shutdown: module globals are cleared, nothing to keep tidy
+            return
+        gone = [a for a in routing.attachments() if a.model is None or a.optimizer is None]
+        routing.prune_attachments()
+        for att in gone:
+            if att.journal is not None and att.journal.missed is not None:
+                _warn_pending(att, "its model was collected")
 
     @classmethod
     def of(cls, model: nn.Module) -> Attachment | None:
@@ -373,6 +388,10 @@ class Attachment(Owner):
 
     def _pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         if routing.committing_optimizer(optimizer) or self._model_ref.gone:
+            return None
+        if self._stage is not COMMITTING and accounting.initialising(optimizer):
+            # torch.distributed.checkpoint making a fresh optimizer's state (zero gradients, zero learning
+            # rate): no optimizer update, so no step: the pending updates wait for the next one, no rule runs
             return None
         if self._stage is COMMITTING and self._inside_own_step():
             # A nested step: an optimizer subclass calling super().step(), whose
@@ -694,10 +713,15 @@ def _warn_pending(att: Attachment, why: str) -> None:
     names = j.pending_names() if j is not None and j.state == "open" else []
     if not names:
         return
+    saved = (
+        f": {j.missed} saved the model's stored values without them, and no optimizer.step() came after to commit them"
+        if j is not None and j.missed is not None
+        else ""
+    )
     warnings.warn(
         f"{att.label}: updates of {listed(list(map(repr, names)), 5)} were issued after the last "
         f"optimizer.step() and are still pending when {why}: they were never committed, and are in no "
-        "state_dict (a train-mode forward after the last optimizer.step(), say). Call attachment.flush() "
+        f"state_dict{saved} (a train-mode forward after the last optimizer.step(), say). Call attachment.flush() "
         "after the last forward to commit them without an optimizer step (attachment.discard() drops them, "
         "as does a forward in model.eval()); pu.Attachment.of(model) finds the attachment.",
         AccountingWarning,

@@ -47,7 +47,6 @@ from torch import nn
 from . import overlay, routing, state
 from .errors import UpdateError, listed
 from .origin import call_site
-from .routing import stored_of
 
 _pending = state.process.pu_pending
 _watched = state.process.watched
@@ -60,7 +59,7 @@ def committed_state(module: nn.Module, state_dict: dict[str, Any], prefix: str, 
     journals = routing.live_journals(routing.PROCESS)
     if journals:
         buffers = module._buffers
-        for attr, t in _stored_slots(buffers, journals).items():
+        for attr, t in _stored_slots(buffers, journals, "state_dict()").items():
             key = prefix + attr
             if key in state_dict:
                 state_dict[key] = t if state_dict[key] is buffers[attr] else t.detach()
@@ -69,18 +68,35 @@ def committed_state(module: nn.Module, state_dict: dict[str, Any], prefix: str, 
             key = prefix + attr
             if p is not None and id(p) in _pending and key in state_dict and state_dict[key] is not p:
                 state_dict[key] = overlay.plain(p).detach()  # the stored value (the pending one is shown by reads)
+                owner = routing.pending_owner(p)
+                if owner is not None:
+                    missed(owner[0], "state_dict()")
 
 
-def _stored_slots(buffers: dict[str, Any], journals: list[Any]) -> dict[str, torch.Tensor]:
+def _stored_slots(buffers: dict[str, Any], journals: list[Any], what: str) -> dict[str, torch.Tensor]:
     """``{attr: stored tensor}`` for each slot of the buffer dict ``buffers`` that shows a pending value
-    of one of ``journals`` (that journal's entry for it is this very slot)."""
+    of one of ``journals`` (that journal's entry for it is this very slot); ``what`` saves them (noted on
+    the journal: :func:`missed`)."""
     out = {}
     for attr, v in buffers.items():
         if v is not None:
-            found = stored_of(v, journals)
-            if found is not None and found[1] is buffers:
-                out[attr] = found[0]
+            for j in journals:
+                found = j.stored_of(v)
+                if found is not None:
+                    if found[1] is buffers:
+                        out[attr] = found[0]
+                        missed(j, what)
+                    break
     return out
+
+
+def missed(journal: Any, what: str) -> None:
+    """Note on ``journal`` that ``what`` (``"state_dict()"``, pickling, ``copy.deepcopy``), called now,
+    saved the stored values in place of its pending ones (the first such call, with its call site): should
+    no step commit them (an attachment's, after the last ``optimizer.step()``), that copy lacks them for
+    good, which is warned (``attach._warn_pending``)."""
+    if journal.missed is None:
+        journal.missed = f"{what} at {call_site(2)}"
 
 
 # --- pickling ------------------------------------------------------------------------------------------
@@ -101,7 +117,7 @@ def module_getstate(module: nn.Module) -> dict[str, Any]:
     journals = routing.live_journals(routing.PROCESS)
     if journals and sys._getframe(1).f_code is not _COPY_CODE:
         buffers = state.get("_buffers")
-        stored = _stored_slots(buffers, journals) if buffers else None
+        stored = _stored_slots(buffers, journals, "pickling (torch.save(model))") if buffers else None
         if stored:
             state["_buffers"] = {**buffers, **stored}  # (the module's own dict is untouched)
     return state
@@ -257,9 +273,13 @@ def _deepcopy_tensor(x: torch.Tensor, memo: dict[int, Any]) -> Any:
     part of that module (its buffer dict is being copied: ``memo`` holds it), copies as the stored
     value. Copied on its own (``copy.deepcopy(module.running_mean)``, a read) it is the pending value."""
     if routing.anything_open():
-        found = stored_of(x)
-        if found is not None and found[1] is not None and id(found[1]) in memo:
-            return copy.deepcopy(found[0], memo)
+        for j in routing.live_journals(routing.PROCESS):
+            found = j.stored_of(x)
+            if found is not None:
+                if found[1] is not None and id(found[1]) in memo:
+                    missed(j, "copy.deepcopy")
+                    return copy.deepcopy(found[0], memo)
+                break
     prev = _Installed.previous_deepcopy
     return prev(x, memo) if prev is not None else x.__deepcopy__(memo)
 

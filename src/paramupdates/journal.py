@@ -108,6 +108,10 @@ class Journal:
         self.guarded: Any = None  # the optimizer a pu.step block guards against steps its commit does not make
         self.done_phases: set[str] = set()
         self.changed: list[str] = []  # targets changed while updates to them were pending (hide())
+        # what first saved the model's stored values in place of this step's pending values (``state_dict()
+        # at file:line``, pickling, ``copy.deepcopy``): an attachment's pending updates that such a copy
+        # lacks and that no step then commits are lost, and said so (``attach._warn_pending``)
+        self.missed: str | None = None
         self.watch = True  # check for such changes (pu.func's journal: torch.func swaps the slots itself)
         self._opt_ids: set[int] | None = None
 

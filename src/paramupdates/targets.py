@@ -54,7 +54,10 @@ class ModelIndex:
         not in a weak dictionary keyed by the index: a traced commit reads it, and dynamo guards on a
         weak dictionary's keys, which another model's collection changes under it."""
         # ``reparametrized``: index what the slots hold inside ``torch.func.functional_call`` (the
-        # tensors passed in; ``pu.func``'s own index). A model's index keeps its stored tensors then.
+        # tensors passed in; ``pu.func``'s own index), as they are: a slot that shows the pending value
+        # of a step around the call (the step's own forward ran first: a look-ahead) is indexed as that
+        # value, so the call's updates of it are the call's, never the step's. A model's index keeps its
+        # stored tensors then.
         self.reparametrized = reparametrized
         self._containers: list[weakref.ref] = []
         self._kids: list[Any] = []  # a weak reference to each container's submodules as last built
@@ -115,12 +118,13 @@ class ModelIndex:
         self, mod: nn.Module, mod_name: str, mref: weakref.ref, journals: list, by_id: dict[int, TargetInfo]
     ) -> None:
         """Add the parameters and buffers of ``mod`` (named ``mod_name`` in the model) to ``by_id``: the
-        stored tensor behind a buffer slot that shows a pending value (rule 1), a ``pu.Parameter`` that
-        torch re-created as a plain one made one again (:func:`_keep_type`)."""
+        stored tensor behind a buffer slot that shows a pending value (rule 1; ``pu.func``'s index takes
+        the value shown, see ``reparametrized``), a ``pu.Parameter`` that torch re-created as a plain one
+        made one again (:func:`_keep_type`)."""
         prefix = f"{mod_name}." if mod_name else ""
         for kind, table in (("parameter", mod._parameters), ("buffer", mod._buffers)):
             for attr, t in table.items():
-                if journals and t is not None and kind == "buffer":
+                if journals and t is not None and kind == "buffer" and not self.reparametrized:
                     found = routing.stored_of(t, journals)
                     if found is not None and found[1] is table:
                         t = found[0]  # (the slot shows its pending value)

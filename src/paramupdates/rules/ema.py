@@ -66,9 +66,12 @@ too), and read back by a ``load_state_dict`` pre-hook (PyTorch hands each module
 its metadata there). What rebuilds the state_dict as a plain dict
 (``dict(sd)``, a comprehension, safetensors, ``torch.distributed.checkpoint``)
 drops the metadata and with it ``t``: a load without ``t`` leaves ``t`` as it
-is, and so does the copy's own last state_dict handed back to it (DCP loads a
-``Stateful`` into the state_dict it made: that ``t`` is the copy's, not the
-checkpoint's); where such a load brings weights without their ``t`` into an EMA
+is, and so does a state_dict the copy made itself handed back to it (DCP loads a
+``Stateful`` into the state_dict it made, and the recipe
+``st = {"ema": copy.state_dict(), ...}; dcp.load(st, ...); copy.load_state_dict(st["ema"])``
+loads the copy's own dict: that ``t`` is the copy's from then, not the
+checkpoint's; one of its last few state_dicts, not only the last: DCP takes the
+state_dict of the attachment beside it, which holds another); where such a load brings weights without their ``t`` into an EMA
 with a warmup, it warns. The ``state_dict()`` of every Stepper or attachment
 whose model owns the averaged tensors also holds ``t`` (``"updates"``), as a
 plain entry: checkpoint it (or the rule, ``rule_of(copy)``) with the copy. A
@@ -94,6 +97,7 @@ creation to align), and it "averages" integer buffers in float and truncates
 
 from __future__ import annotations
 
+import collections
 import copy
 import itertools
 import math
@@ -135,6 +139,8 @@ if TYPE_CHECKING:
 COUNTER = "pu_ema_updates"
 """The key of ``t`` (the number of EMA updates so far) in the copy's ``state_dict`` metadata
 (``state_dict._metadata[prefix][COUNTER]``); in earlier versions, the name of a buffer of the copy."""
+HANDED = 8
+"""How many of the copy's last ``state_dict`` metadata entries :class:`LoadCounter` knows as its own."""
 
 
 class Counter:
@@ -154,10 +160,12 @@ class Counter:
         self.origin = origin  # (for the warning of :class:`LoadCounter`)
         self.warmup = warmup  # d_t depends on t
         self.quiet = False  # loading through the rule's own state, which carries t as a plain entry
-        # the metadata entry of the last state_dict the copy made (``load_state_dict`` copies the dict but
-        # passes its metadata on), the copy's version counters and t then: a load of that very state_dict,
-        # its tensors written in place since while t was not, loads weights without their t
-        self.handed: tuple[dict, tuple[int, ...], int] | None = None
+        # the metadata entry of each of the last state_dicts the copy made (``load_state_dict`` copies the
+        # dict but passes its metadata on), the copy's version counters and t then: a load of one of those
+        # very state_dicts, its tensors written in place since while t was not, loads weights without their
+        # t. Several: between making the dict it loads into and loading it, the DCP recipe has the copy make
+        # others (the state_dict of the attachment or Stepper beside it holds one)
+        self.handed: collections.deque[tuple[dict, tuple[int, ...], int]] = collections.deque(maxlen=HANDED)
 
     def value(self) -> int:
         """``t``: the updates counted, less those skipped on the device."""
@@ -188,7 +196,7 @@ class SaveCounter:
     def __call__(self, module: nn.Module, state_dict: Any, prefix: str, local_metadata: dict[str, Any]) -> None:
         c = self.counter
         local_metadata[COUNTER] = c.value()
-        c.handed = (local_metadata, _versions(module), c.t)
+        c.handed.append((local_metadata, _versions(module), c.t))
 
 
 def _versions(module: nn.Module) -> tuple[int, ...]:
@@ -202,8 +210,9 @@ class LoadCounter:
     A state_dict saved by an earlier version holds ``t`` as the tensor ``prefix + "pu_ema_updates"``: it is
     taken (and removed, so that strict loading passes). A state_dict that carries no ``t`` (the
     model's own, or one rebuilt as a plain dict, which drops the metadata) leaves ``t`` as it is, as
-    does the copy's own last state_dict handed back (``torch.distributed.checkpoint`` loads a
-    ``Stateful`` into the state_dict it made: its ``t`` is the copy's from then). Where such a load
+    does one of the copy's own last state_dicts handed back (``torch.distributed.checkpoint`` loads a
+    ``Stateful`` into the state_dict it made, and its recipe loads ``copy.state_dict()`` in place, then
+    into the copy: its ``t`` is the copy's from then). Where such a load
     brings weights without their ``t`` (a plain dict with no metadata at all: safetensors,
     ``dict(sd)``; the copy's own state_dict written in place since, while ``t`` was not: DCP) into the
     copy of an EMA with a warmup, it warns (:class:`~paramupdates.AccountingWarning`): the averaged
@@ -226,12 +235,12 @@ class LoadCounter:
     ) -> None:
         old = state_dict.pop(prefix + COUNTER, None)  # the earlier layout: a 0-dim int64 buffer
         c = self.counter
-        handed = c.handed
-        if handed is not None and handed[0] is local_metadata:
+        handed = next((h for h in c.handed if h[0] is local_metadata), None)
+        if handed is not None:
             # the copy's own state_dict handed back: torch.distributed.checkpoint loads a Stateful into the
             # state_dict it made, in place. The t in its metadata is the copy's from then, not the
             # checkpoint's: never taken (a Stepper's state loaded since may have set t already)
-            if c.warmup and not c.quiet and _written_in_place(c, module):
+            if c.warmup and not c.quiet and _written_in_place(c, module, handed):
                 _warn_counter_lost(c, type(module).__name__)
             return
         t = local_metadata.get(COUNTER)
@@ -243,10 +252,10 @@ class LoadCounter:
             _warn_counter_lost(c, type(module).__name__)
 
 
-def _written_in_place(c: Counter, module: nn.Module) -> bool:
-    """Whether the copy's tensors were written since it made the state_dict handed back, while ``t`` was
-    not: weights loaded from elsewhere (a checkpoint), with no ``t`` of theirs."""
-    _metadata, versions, t = c.handed  # type: ignore[misc]
+def _written_in_place(c: Counter, module: nn.Module, handed: tuple[dict, tuple[int, ...], int]) -> bool:
+    """Whether the copy's tensors were written since it made the state_dict handed back (``handed``),
+    while ``t`` was not: weights loaded from elsewhere (a checkpoint), with no ``t`` of theirs."""
+    _metadata, versions, t = handed
     return c.value() == t and _versions(module) != versions
 
 

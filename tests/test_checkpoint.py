@@ -358,3 +358,75 @@ def test_norms_are_noted_only_while_a_recomputation_runs():
     assert probe.seen == [before, before + 1]  # the forward, then the recomputation
     assert len(torch.nn.modules.module._global_forward_pre_hooks) == before
     assert int(model.block.bn.num_batches_tracked) == 1
+
+
+# --- the pu.when condition in force at a segment's forward, in force at its recomputation (rule 3) ---
+class ConditionalSegment(nn.Module):
+    """Issues updates, reads one after updating it, and enters a pu.when of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 4)
+        self.bn = pu.nn.BatchNorm1d(4)
+        self.register_buffer("scale", torch.full((4,), 2.0))
+
+    def forward(self, x):
+        with pu.when(False):  # (first in the segment: torch's checkpoint finds the segment here)
+            pu.assign(self.scale, self.scale * 100.0)
+        pu.assign(self.scale, self.scale * 3.0 + 1.0)
+        # read after the update (the gradient depends on it); a copy, which an eager update in
+        # place (outside a step) leaves valid for backward
+        h = self.bn(self.lin(x)) * self.scale.clone()
+        with pu.when(torch.tensor(True)):
+            pu.assign(self.scale, self.scale - 0.5)
+        return h * self.scale.clone()
+
+
+class UnderCondition(nn.Module):
+    def __init__(self, cond, ckpt):
+        super().__init__()
+        self.seg = ConditionalSegment()
+        self.head = nn.Linear(4, 2)
+        self.cond, self.ckpt = cond, ckpt
+
+    def forward(self, x):
+        with pu.when(self.cond):
+            h = self.seg(x) if self.ckpt is None else self.ckpt(self.seg, x)
+        return self.head(h)
+
+
+def _conditions():
+    return {
+        "tensor-false": lambda: torch.tensor(False),
+        "tensor-true": lambda: torch.tensor(True),
+        "bool-false": lambda: False,
+    }
+
+
+@pytest.mark.parametrize("stepped", [True, False])
+@pytest.mark.parametrize("ckpt", ["pu", "torch"])
+@pytest.mark.parametrize("cond", list(_conditions()))
+def test_recomputation_runs_under_the_condition_of_its_forward(cond, ckpt, stepped):
+    """A segment checkpointed under an outer pu.when: its recomputation sees the condition the
+    forward saw, so gradients, statistics and every update equal the run without checkpointing,
+    bitwise (before, it ran unconditioned: wrong gradients, or an error blaming use_reentrant=True)."""
+    xs = [torch.randn(6, 3) for _ in range(2)]
+    results = []
+    for c in (None, pu.checkpoint if ckpt == "pu" else _torch_ckpt):
+        torch.manual_seed(0)
+        m = UnderCondition(_conditions()[cond](), c)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        grads = []
+        for x in xs:
+            opt.zero_grad()
+            with pu.step(m, opt) if stepped else contextlib.nullcontext():
+                m(x).square().sum().backward()
+                grads.append([p.grad.clone() for p in m.parameters()])
+                if not stepped:
+                    opt.step()
+        results.append((grads, snapshot(m)))
+        pu.testing.reset()
+    (g0, s0), (g1, s1) = results
+    for a, b in zip(sum(g0, []), sum(g1, [])):
+        assert torch.equal(bits(a), bits(b))
+    assert_same(s0, s1)

@@ -100,24 +100,26 @@ def test_two_emas_of_one_model_with_other_settings_are_kept():
 
 def test_the_replacement_warning_says_how_to_undeclare_each_kind_of_rule():
     """pu.ema returns the averaged copy, which has no .remove(): the warning names what works for it
-    (pu.rules.ema.rule_of(copy).remove()), and doing so silences it. pu.weight_decay and pu.constrain
-    return the rule: .remove() on it."""
+    (pu.rules_of(copy) lists the rule, with .remove()), and doing so silences it. pu.weight_decay and
+    pu.constrain return the rule: .remove() on it, or on what pu.rules_of(model) lists."""
     m = BNNet()
     first = pu.ema(m, 0.9)
     with pytest.warns(UserWarning) as record:
         pu.ema(m, 0.9)
     msg = str(record[0].message)
-    assert "pu.rules.ema.rule_of(ema_copy).remove()" in msg and "the averaged copy that pu.ema returned" in msg
+    assert "pu.rules_of(ema_copy) lists it" in msg and "the averaged copy that pu.ema returned" in msg
     assert not hasattr(first, "remove")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        pu.rules.ema.rule_of(pu.ema(BNNet(), 0.9)).remove()  # (what the message says works)
+        for r in pu.rules_of(pu.ema(BNNet(), 0.9)):  # (what the message says works)
+            r.remove()
         second = pu.ema(m, 0.5)
-        pu.rules.ema.rule_of(second).remove()
+        (rule,) = pu.rules_of(second)
+        rule.remove()
         pu.ema(m, 0.5)  # the removed one is not replaced: no warning
     pu.weight_decay(m, 0.1)
     with pytest.warns(UserWarning) as record:
         pu.weight_decay(m, 0.2)
     msg = str(record[0].message)
-    assert "call .remove() on the rule object (what pu.weight_decay, pu.constrain" in msg
+    assert "pu.rules_of(model) lists the rules declared on the model, each with .remove()" in msg
     assert "pu.rules.ema" not in msg

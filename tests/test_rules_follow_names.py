@@ -243,3 +243,63 @@ def test_models_dropped_without_a_step_are_collected_with_their_rules_and_ema_co
     m = nn.Linear(2, 2)
     pu.weight_decay(m, 0.1)
     assert len(state.process.rules) == 1 and sum(r() is not None for r in copies) == 0
+
+
+@pytest.mark.parametrize("driver", ["attach", "stepper", "step"])
+@pytest.mark.parametrize("rule", ["constrain", "weight_decay"])
+def test_a_rule_on_bare_tensors_covers_what_load_state_dict_assign_puts_under_their_names(rule, driver):
+    """``pu.constrain([m[0].weight, m[2].weight], c)`` on bare tensors, then ``pu.attach`` or a
+    ``pu.Stepper`` (or a first ``pu.step``), then ``load_state_dict(sd, assign=True)``: the library knew the
+    model, so the rule follows the tensors by name in it and covers the loaded ones (before, the old ones
+    died and the rule silently disappeared). Bitwise the rule applied by hand on the plain model."""
+    ref, m = _model(), _model()
+    c = pu.max_norm(BOUND)
+    if rule == "constrain":
+        pu.constrain([m[0].weight, m[2].weight], c, foreach=False)
+    else:
+        pu.weight_decay([m[0].weight, m[2].weight], RATE, foreach=False)
+    opt = torch.optim.SGD(m.parameters(), lr=LR)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    xs = torch.randn(4, 4, 3)
+
+    def by_hand(x: torch.Tensor) -> None:
+        ref_opt.zero_grad()
+        ref(x).square().sum().backward()
+        with torch.no_grad():
+            if rule == "weight_decay":
+                for p in (ref[0].weight, ref[2].weight):
+                    p.mul_(1 - LR * RATE)
+            ref_opt.step()
+            if rule == "constrain":
+                for p in (ref[0].weight, ref[2].weight):
+                    p.copy_(c(p))
+
+    owner = pu.attach(m, opt) if driver == "attach" else pu.Stepper(m, opt) if driver == "stepper" else None
+
+    def step(x: torch.Tensor) -> None:
+        opt.zero_grad()
+        if driver == "attach":
+            m(x).square().sum().backward()
+            opt.step()
+        elif driver == "stepper":
+            assert isinstance(owner, pu.Stepper)
+            owner.run(lambda: m(x).square().sum().backward())
+        else:
+            with pu.step(m, opt):
+                m(x).square().sum().backward()
+
+    if driver == "step":  # (the library knows the model from its first step)
+        by_hand(xs[0])
+        step(xs[0])
+    torch.manual_seed(3)
+    sd = {k: torch.randn_like(v) * 4 for k, v in m.state_dict().items()}
+    m.load_state_dict(sd, assign=True)
+    ref.load_state_dict({k: v.clone() for k, v in sd.items()}, assign=True)
+    opt.add_param_group({"params": list(m.parameters())})  # (the old tensors stay in the first group)
+    ref_opt.add_param_group({"params": list(ref.parameters())})
+    gc.collect()  # (nothing but the optimizers holds the old tensors)
+    for x in xs[1:]:
+        by_hand(x)
+        step(x)
+        assert_same(snapshot(ref), snapshot(m))
+    assert [r.names_of({id(m[0].weight), id(m[2].weight)}) for r in pu.rules_of(m)] == [["0.weight", "2.weight"]]

@@ -33,7 +33,7 @@ from .errors import AccountingWarning, AmbiguousOrderError, UpdateError
 from .integrations.checkpoint import checkpoint
 from .nn import convert, recompute_batchnorm_stats
 from .parameter import Parameter
-from .rules.base import Rule
+from .rules.base import Rule, rules_of
 from .rules.constraints import clamp, constrain, max_norm, min_max_norm, non_neg, unit_norm
 from .rules.ema import ema
 from .rules.weight_decay import weight_decay
@@ -72,6 +72,7 @@ __all__ = [
     "non_neg",
     "read",
     "recompute_batchnorm_stats",
+    "rules_of",
     "step",
     "testing",
     "unit_norm",

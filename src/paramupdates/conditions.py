@@ -24,7 +24,7 @@ from contextlib import contextmanager
 
 import torch
 
-from . import state
+from . import hooks, state
 from .origin import call_site
 
 
@@ -72,7 +72,10 @@ def when(pred: bool | torch.Tensor) -> Iterator[None]:
     host sync). Nested blocks AND their predicates. Reads inside the block see
     the conditional value, in program order (read-your-writes, rule 1).
     """
-    stack = state.local.conditions
+    local = state.local
+    stack = local.conditions
+    if local.eager_log is None and local.replay is None and hooks.segment_possible():
+        hooks.adopt_segment()  # (before the push: the segment notes the condition at its entry)
     stack.append(_combine(stack[-1], _check(pred)))
     try:
         yield

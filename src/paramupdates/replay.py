@@ -20,6 +20,13 @@ forward; the first write of each target in the segment keeps a copy of its
 entry value (:class:`EagerLog`), which the recomputation is shown (copied in
 with the version counter kept, and the latest value copied back after).
 
+The ``pu.when`` condition in force when the segment's forward began is in
+force again around its recomputation (:attr:`Segment.condition`), in place of
+whatever the thread that recomputes has in force then (nothing, in backward):
+an update the forward dropped (``when(False)``) or made conditional
+(``when(tensor)``) is issued again under the same condition, so the
+recomputation's reads see what the forward's saw.
+
 So running statistics are updated once per forward call, whether or not the
 segment is checkpointed, and a segment that reads a target after updating it
 recomputes bitwise the same values, hence the same gradients.
@@ -199,11 +206,16 @@ class Segment:
         self.values: EntryValues | None = None
         self.log: EagerLog | None = None
         self.explicit: list[Journal] = []
+        self.condition: bool | torch.Tensor | None = None
+        """The ``pu.when`` condition in force at segment entry (combined): in force again around the
+        recomputation (rule 3: it sees what the forward saw)."""
 
     def noted(self, parent: EagerLog | None = None) -> EagerLog:
-        """Note the values shown now as the entry values, and this thread's steps; return the eager log."""
+        """Note the values shown now as the entry values, this thread's steps and its ``pu.when``
+        condition; return the eager log."""
         replay = state.local.replay  # (a segment inside a recomputation: that replay's steps)
         self.explicit = replay.explicit if replay is not None else list(reversed(routing.explicit()))
+        self.condition = state.local.conditions[-1]
         self.values = entry_values()
         self.log = EagerLog(parent)
         return self.log
@@ -247,6 +259,7 @@ class _Recompute:
         state.local.replay = self.replay
         self.prev_log = state.local.eager_log
         state.local.eager_log = None
+        state.local.conditions.append(self.seg.condition)  # (the forward's, not this thread's now)
         if log is not None and log.entry:
             self.versions = log.versions()
             self.latest = log.swap({k: v for k, (_, v) in log.entry.items()}, self.versions)
@@ -258,6 +271,7 @@ class _Recompute:
             self.seg.log.swap(self.latest, self.versions)
             self.latest = None
         self.replay.uninstall()
+        state.local.conditions.pop()
         state.local.replay = self.prev
         state.local.eager_log = self.prev_log
         if self.prev is not None:

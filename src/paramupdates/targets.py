@@ -293,7 +293,25 @@ def index_of(model: nn.Module) -> ModelIndex:
     idx = indexes.get(model)
     if idx is None:
         idx = indexes[model] = ModelIndex(model)
+        _adopt_bare_rules(idx)
     return idx
+
+
+def _adopt_bare_rules(idx: ModelIndex) -> None:
+    """The model is known from now on: the rules declared on bare tensors it holds (all of them) follow
+    them by name in it (``Rule.adopt``), as a rule declared after it was indexed does
+    (``rules.common.adopt_known``). So ``load_state_dict(assign=True)``, ``to_empty()`` or a layer replaced
+    after ``pu.attach`` or ``pu.Stepper`` finds the tensors the model holds then (accounted for, rule 12),
+    whether or not anything still holds the ones declared."""
+    if torch.compiler.is_compiling():
+        return
+    adopted = False
+    for r in list(state.process.rules):
+        if r.root() is None and r.held_tensors_only():
+            r.adopt(idx)
+            adopted = adopted or r.root() is not None
+    if adopted:
+        state.bump_rules()  # (an index that listed it as a rule no model holds lists it again)
 
 
 def _keep_type(t: nn.Parameter, name: str, before: dict[int, TargetInfo]) -> None:

@@ -60,6 +60,7 @@ def issue(
     """
     cond = _local.conditions[-1]
     if cond is False:
+        _dropped()
         return
     if torch.compiler.is_compiling():  # the lookup strategy, eager or traced, once for the whole call
         how: Lookup = lookup.TRACED
@@ -86,6 +87,14 @@ def issue(
     if j is None:
         _refuse_unowned(target, origin, op)
     _apply_eagerly(op, target, operand, key, sync, cond if isinstance(cond, torch.Tensor) else None, origin)
+
+
+def _dropped() -> None:
+    """An update dropped by ``pu.when(False)``: inside a ``torch.utils.checkpoint`` segment's forward,
+    the segment is still found, so that its recomputation runs under the same condition and drops it
+    too (replay, rule 3); else nothing."""
+    if _local.eager_log is None and _local.replay is None and hooks.segment_possible():
+        hooks.adopt_segment()
 
 
 def _apply_eagerly(
@@ -161,6 +170,8 @@ def issue_computed(
     updates alone, of the targets' shape, dtype and device.
     """
     if _local.conditions[-1] is False or not updates:
+        if updates:
+            _dropped()
         return
     how = lookup.TRACED if torch.compiler.is_compiling() else lookup.EAGER  # (lookup.choose, inlined)
     if origin is None:

@@ -197,8 +197,15 @@ class Rule:
             f"{self.describe()} declared at {self.origin} covers {shown}, which {model} no longer has under that "
             "name (a layer removed or renamed after the declaration, a wrapper put in its place, a parametrization "
             "registered on it). Nothing of this step was written. Declare the rule again on the model as it is "
-            f"now (the same call), or undeclare it: {self.how_to_remove()}."
+            "now (the same call: the new declaration takes the lost names' place, and this one keeps the rest), "
+            f"or undeclare it: {self.how_to_remove()}."
         )
+
+    def forget_lost(self) -> bool:
+        """Stop covering the names :meth:`lost_names` returns (a rule of the same kind declared again
+        where they were takes their place, :func:`register`); True when nothing is left (the rule is then
+        undeclared). Default: all or nothing."""
+        return True
 
     def rebase(self, old: Any, parent: Any, name: str) -> None:
         """The module the rule follows its tensors in (``old``) is being replaced in ``parent`` under
@@ -222,6 +229,11 @@ class Rule:
         (nothing changes: ``configure_optimizers`` run again by a later ``fit``). ``None``, the
         default (and a rule with state of its own, an EMA): never equal."""
         return None
+
+    def settings_on(self, ids: set[int]) -> Any:
+        """:meth:`settings` as they are on the covered tensors whose ``id()`` is in ``ids`` (a rule with
+        settings per tensor, weight decay's rates, keeps those of these tensors). Default: :meth:`settings`."""
+        return self.settings()
 
     def drop(self, ids: set[int]) -> bool:
         """Stop covering the tensors whose ``id()`` is in ``ids`` (a later rule of the same kind took
@@ -268,7 +280,18 @@ class Rule:
     def how_to_remove(self) -> str:
         """How messages tell the user to undeclare this rule (what works with what its declaration
         returned)."""
-        return "call .remove() on the rule object (what pu.weight_decay, pu.constrain and Rule.declare() return)"
+        return (
+            "pu.rules_of(model) lists the rules declared on the model, each with .remove() (so does the object that "
+            "pu.weight_decay, pu.constrain and Rule.declare() return)"
+        )
+
+    def __repr__(self) -> str:
+        names = getattr(self, "names", None)
+        followed = getattr(getattr(self, "_tensors", None), "names", None) or names
+        on = f" on {listed(list(map(repr, followed)), 4)}" if followed else ""
+        lost = self.lost_names() if not self.removed else []
+        tail = f", lost {listed(list(map(repr, lost)), 4)}" if lost else ""
+        return f"<{self.describe()} declared at {self.origin}{on}{tail}{' (removed)' if self.removed else ''}>"
 
     def rows(self, index: ModelIndex) -> list[ScheduleEntry]:
         """This rule's rows in ``schedule()`` (made when the schedule is shown)."""
@@ -314,14 +337,24 @@ def register(rule: Rule) -> Rule:
     if key is not None:
         ids = {id(t) for t in rule.owner_tensors()}
         settings = rule.settings()
+        _take_dead_places(rule, key)
         for old in list(registry):
             if old is rule or old.same_kind() != key:
+                continue
+            took = _takes_lost_names(rule, old)
+            if took and old.forget_lost():
+                unregister(old)  # (it covered nothing but the lost names: the new one takes its place)
                 continue
             covered = {id(t) for t in old.owner_tensors()}
             common = covered & ids
             if not common:
                 continue
-            if settings is not None and common == ids == covered and old.settings() == settings:
+            if (
+                settings is not None
+                and common == covered
+                and (common == ids or took)
+                and old.settings_on(common) == rule.settings_on(common)
+            ):
                 rule.seq = old.seq  # nothing changes: no warning, the same place in the order
                 registry[registry.index(old)] = rule
                 state.bump_rules()
@@ -357,6 +390,43 @@ def follow_place(rule: Rule, model: Any, where: str) -> None:
     the old layer; a place left empty is a lost name, raised at the next commit (rule 12: nothing
     depends on when Python collects the old layer)."""
     rule.rebase(rule.root(), model, where)
+
+
+def _within(module: Any, root: Any) -> bool:
+    """Whether ``module`` is ``root`` or one of its submodules."""
+    return module is root or any(m is module for m in root.modules())
+
+
+def _declared_in(rule: Rule, model: Any) -> bool:
+    """Whether ``rule`` is declared on ``model``'s tensors: it follows them in ``model`` or in one of its
+    submodules (or in a module that holds ``model``), or ``model`` holds some of its tensors."""
+    root = rule.root()
+    if root is not None and (_within(root, model) or _within(model, root)):
+        return True
+    held = _tensor_ids(model)
+    return any(id(t) in held for t in rule.owner_tensors())
+
+
+def _takes_lost_names(rule: Rule, old: Rule) -> bool:
+    """Whether ``rule`` (of ``old``'s kind, being declared) takes the place of the names ``old`` lost: ``old``
+    lost names in the module it follows its tensors in, and ``rule`` is declared on that module's tensors
+    (the fix that the lost-name error gives: "declare the rule again on the model as it is now")."""
+    root = old.root()
+    return root is not None and bool(old.lost_names()) and _declared_in(rule, root)
+
+
+def _take_dead_places(rule: Rule, key: Any) -> None:
+    """``rule`` (being declared, of kind ``key``) takes the place of the rules of its kind that died while
+    they applied to a model it is declared on (the module they were declared on was removed from the model
+    and collected: ``_refuse_dead`` raises about them until then)."""
+    for index in list(state.process.indexes.values()):
+        model = index.model_ref()
+        dead = [r for r in index.rules if not r.removed and not r.alive()]
+        if model is None or not dead or not _declared_in(rule, model):
+            continue
+        for r in dead:
+            if r.same_kind() == key:
+                r.removed = True
 
 
 def _user_stacklevel() -> int:
@@ -398,6 +468,37 @@ def clear() -> None:
     """Undeclare every rule."""
     state.process.rules.clear()
     state.bump_rules()
+
+
+def rules_of(model: torch.nn.Module) -> list[Rule]:
+    """The declared rules that cover ``model``, in declaration order: each is a :class:`Rule`, with
+    ``.remove()`` (undeclare it) and a ``repr`` that names it, where it was declared, the names it
+    covers and those it lost.
+
+    A rule covers ``model`` when it follows its tensors in ``model`` or in one of its submodules (a rule
+    declared on the model, or on one of its layers: a name it lost included), or ``model`` holds some of
+    the tensors it covers or writes (``pu.weight_decay`` on ``model.parameters()``; the EMA of a model, for
+    the model and for its averaged copy). A rule that applied to ``model`` and whose module was removed
+    from it and collected is listed too, until it is removed: the model's commits raise about it.
+
+    What a lost-name error says to do works with it: ``for r in pu.rules_of(model): print(r)`` shows the
+    rules; ``.remove()`` on one undeclares it. Removed rules are not listed."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"pu.rules_of() takes a torch.nn.Module (a model or a layer), got {type(model).__name__}")
+    purge()
+    modules = {id(m) for m in model.modules()}  # (alive while this runs: model holds them)
+    held = _tensor_ids(model)
+    out: list[Rule] = []
+    for r in state.process.rules:
+        root = r.root()
+        if r.removed:
+            continue
+        if (root is not None and id(root) in modules) or any(id(t) in held for t in (*r.owner_tensors(), *r.tensors())):
+            out.append(r)
+    index = state.process.indexes.get(model)
+    if index is not None:
+        out.extend(r for r in index.rules if not r.removed and not r.alive() and all(r is not o for o in out))
+    return sorted(out, key=_seq)
 
 
 def declared() -> list[Rule]:
@@ -490,8 +591,8 @@ def _refuse_dead(index: ModelIndex) -> None:
             raise UpdateError(
                 f"{r.describe()} declared at {r.origin} applied to {type(model).__name__}, whose tensors it "
                 "covered are gone from the model (the module it was declared on was removed and collected). "
-                "Nothing of this step was written. Declare the rule again on the model as it is now, or "
-                f"undeclare it: {r.how_to_remove()}."
+                "Nothing of this step was written. Declare the rule again on the model as it is now (it takes "
+                f"this one's place), or undeclare it: {r.how_to_remove()}."
             )
 
 

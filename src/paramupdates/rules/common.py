@@ -439,10 +439,22 @@ class OnTensorList:
     def keep_except(self, ids: set[int]) -> list[int]:
         """Keep the tensors whose ``id()`` is not in ``ids``; the positions kept (the plan is made again)."""
         keep = [i for i, t in enumerate(self._tensors.current()) if t is None or id(t) not in ids]
+        self.keep_positions(keep)
+        return keep
+
+    def keep_positions(self, keep: list[int]) -> None:
+        """Keep only the tensors at positions ``keep`` (in order; the plan is made again). A rule with a
+        list of its own beside the tensors (weight decay's rates) extends it."""
         self.names = [self.names[i] for i in keep]
         self._tensors.keep(keep)
         self._key = None
-        return keep
+
+    def forget_lost(self) -> bool:
+        """Stop covering the names the module no longer has (:meth:`lost_names`); True if none is left."""
+        lost = set(self._tensors.lost) if self._tensors.lost_names() else set()
+        keep = [i for i in range(len(self.names)) if i not in lost]
+        self.keep_positions(keep)
+        return not keep
 
 
 _data_ptr = torch._C.TensorBase.data_ptr

@@ -598,9 +598,11 @@ class Constrain(DeclaredRule):
         return f"pu.constrain({self.constraint.name})"
 
     def drop(self, ids: set[int]) -> bool:
-        keep = self.keep_except(ids)
+        return not self.keep_except(ids)
+
+    def keep_positions(self, keep: list[int]) -> None:
+        super().keep_positions(keep)
         self._live = []
-        return not keep
 
     def make_plan(self, ctx: CommitContext, live: list[Any]) -> Any:
         """Storage changed (the first commit, ``model.to()``, ``p.data = ...``): validate again before

@@ -461,7 +461,13 @@ class EMA(DeclaredRule):
 
     def how_to_remove(self) -> str:
         # pu.ema returns the averaged copy, a module of the user's class: the rule is reached from it
-        return "pu.rules.ema.rule_of(ema_copy).remove(), ema_copy being the averaged copy that pu.ema returned"
+        return (
+            "pu.rules_of(ema_copy) lists it (ema_copy being the averaged copy that pu.ema returned; "
+            "pu.rules_of(model) too), and .remove() undeclares it"
+        )
+
+    def forget_lost(self) -> bool:
+        return True  # (the averaged copy is the model's whole: an EMA declared again takes its place whole)
 
     def names_of(self, ids: set[int]) -> list[str]:
         return [f"the {len(self.names)} tensors of {type(self._followed()).__name__}"]
@@ -682,7 +688,9 @@ def _gone_error(origin: str, gone: list[str], kind: str) -> UpdateError:
         f"pu.ema (declared at {origin}): the averaged copy has {listed(list(map(repr, gone)))}, "
         f"which the model no longer has (its {kind} changed after the declaration: a layer removed, "
         "renamed or wrapped). Nothing of this step was written. Declare pu.ema again on the model as "
-        "it is now (and .remove() the old one: paramupdates.rules.ema.rule_of(copy).remove())."
+        "it is now (the same call: it takes this one's place, and this copy is no longer updated), or "
+        "undeclare it: pu.rules_of(ema_copy) lists it (ema_copy being the averaged copy that pu.ema "
+        "returned), and .remove() undeclares it."
     )
 
 
@@ -690,9 +698,10 @@ def _new_name_error(origin: str, name: str, kind: str) -> UpdateError:
     """The model has ``name``, which its copy has not."""
     return UpdateError(
         f"pu.ema (declared at {origin}): the model has {name!r}, which its averaged copy has "
-        f"not (the model's {kind} changed after the declaration). Declare pu.ema again on the model "
-        "as it is now, and undeclare this one: pu.rules.ema.rule_of(ema_copy).remove(), ema_copy "
-        "being the averaged copy that pu.ema returned."
+        f"not (the model's {kind} changed after the declaration). Nothing of this step was written. "
+        "Declare pu.ema again on the model as it is now (the same call: it takes this one's place, and "
+        "this copy is no longer updated), or undeclare it: pu.rules_of(ema_copy) lists it (ema_copy "
+        "being the averaged copy that pu.ema returned), and .remove() undeclares it."
     )
 
 

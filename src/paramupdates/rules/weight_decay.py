@@ -207,13 +207,19 @@ class WeightDecay(DeclaredRule):
     def settings(self) -> Any:
         return (self.scale_by_lr, self.foreach, tuple(self.rates))
 
+    def settings_on(self, ids: set[int]) -> Any:
+        rates = [r for t, r in zip(self._tensors.current(), self.rates) if t is not None and id(t) in ids]
+        return (self.scale_by_lr, self.foreach, tuple(rates))
+
     def describe(self) -> str:
         return "pu.weight_decay"
 
     def drop(self, ids: set[int]) -> bool:
-        keep = self.keep_except(ids)
+        return not self.keep_except(ids)
+
+    def keep_positions(self, keep: list[int]) -> None:
+        super().keep_positions(keep)
         self.rates = [self.rates[i] for i in keep]
-        return not keep
 
     # --- the plan -------------------------------------------------------------------------------------
     def plan_key(self, ctx: CommitContext, live: list[Any]) -> Any:

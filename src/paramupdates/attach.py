@@ -57,7 +57,7 @@ def see_scalers() -> None:
         return orig(scaler, optimizer, *args, **kwargs)
 
     step._pu_sees = True  # type: ignore[attr-defined]
-    cls.step = step  # type: ignore[method-assign]
+    cls.step = step  # type: ignore[method-assign,assignment]
 
 
 class Stage(enum.Enum):

@@ -195,9 +195,7 @@ def _covered_weights(rules: list[RuleSpec]) -> list[int]:
     return sorted({r.layer for r in rules if r.on == "layer"})
 
 
-def _action(
-    rng: random.Random, plan: Plan, dtype: list[str], parametrized: set[int], tied: set[int]
-) -> tuple | None:
+def _action(rng: random.Random, plan: Plan, dtype: list[str], parametrized: set[int], tied: set[int]) -> tuple | None:
     kinds = ["replace", "replace", "readd", "tie", "untie", "wrap", "load", "parametrize", "freeze", "unfreeze"]
     if plan.optimizer == "sgd":
         kinds += ["to", "to"]

@@ -1,12 +1,11 @@
 """The core's layering (``docs/design.md``, "Architecture"): no import cycle among the modules of
-``src/paramupdates`` in the *runtime* import graph (module-level imports and imports inside
-functions), and nothing outside ``integrations/`` imports from ``integrations/`` except the
-package's ``__init__.py`` and the frameworks' public import paths.
+``src/paramupdates``, counting every import: module-level, inside functions, and under ``if
+TYPE_CHECKING:`` (for annotations only, but a reader of a module must understand the classes it
+names, so they must come from below); and nothing outside ``integrations/`` imports from
+``integrations/`` except the package's ``__init__.py`` and the frameworks' public import paths.
 
-An import under ``if TYPE_CHECKING:`` is for annotations only (every module has ``from __future__
-import annotations``: they are strings, never evaluated at run time), so it may close a cycle: a low
-module names a higher one's class in its annotations (``state.py``'s ``list[Attachment]``) by
-importing it there. It never runs, so it cannot make a module see another half-initialised.
+A low module that names an object of a higher layer in its annotations takes it from
+``paramupdates.seams``: a small ``Protocol`` of what it uses, or ``Any`` under the higher class's name.
 
 Imports are read from the AST of every module. Importing ``a.b.c`` executes the ``__init__`` of ``a.b`` too, so that counts
 as an import of ``a.b``, except from inside ``a.b`` itself (a package is initialised before its
@@ -128,13 +127,25 @@ def test_the_graph_is_read():
     assert "paramupdates.hooks" in g["paramupdates.integrations.checkpoint"]
     assert "paramupdates.integrations" in g[TOP]
     assert "paramupdates.attach" in g["paramupdates.step"]  # an import inside a function counts
-    assert "paramupdates.attach" not in g["paramupdates.state"]  # one under TYPE_CHECKING does not
-    assert "paramupdates.attach" in _graph(types=True)["paramupdates.state"]  # (but is read)
+    assert "paramupdates.seams" not in g["paramupdates.state"]  # one under TYPE_CHECKING does not
+    assert "paramupdates.seams" in _graph(types=True)["paramupdates.state"]  # (but is read)
 
 
 def test_no_import_cycle():
-    """No cycle in the runtime import graph (imports under ``if TYPE_CHECKING:`` may close one)."""
+    """No cycle in the runtime import graph (module-level and function-level imports)."""
     assert _cycle(_graph()) is None, " -> ".join(_cycle(_graph()) or [])
+
+
+def test_no_import_cycle_with_type_checking_imports():
+    """No cycle either with the imports under ``if TYPE_CHECKING:`` counted: each module names only
+    classes from below it (a seam takes a higher one's as a ``seams`` Protocol or ``Any``)."""
+    cycle = _cycle(_graph(types=True))
+    assert cycle is None, "import cycle (type-level imports counted): " + " -> ".join(cycle or [])
+
+
+def test_seams_import_only_records():
+    """``seams`` is below every module that takes a name from it: of the package, only ``records``."""
+    assert _graph(types=True)[f"{TOP}.seams"] == {f"{TOP}.records"}
 
 
 def test_cycle_finder_finds_a_cycle():
@@ -142,8 +153,9 @@ def test_cycle_finder_finds_a_cycle():
 
 
 def test_a_runtime_cycle_fails_and_a_type_checking_one_does_not(tmp_path):
-    """The rule on a synthetic package: ``a`` imports ``b`` at module level; ``b`` imports ``a`` inside
-    a function (a cycle at run time), under ``if TYPE_CHECKING:`` (none), or in its ``else:`` (one)."""
+    """The reader on a synthetic package: ``a`` imports ``b`` at module level; ``b`` imports ``a`` inside
+    a function (a cycle at run time), under ``if TYPE_CHECKING:`` (none at run time, one at the type
+    level, which ``test_no_import_cycle_with_type_checking_imports`` forbids), or in its ``else:`` (one)."""
     pkg = tmp_path / TOP
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")

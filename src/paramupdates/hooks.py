@@ -50,10 +50,8 @@ from .errors import UpdateError
 if TYPE_CHECKING:
     from torch import nn
 
-    from .commit.driver import Commit
-    from .journal import Journal
     from .records import Entry
-    from .replay import EagerLog
+    from .seams import Commit, EagerLog, Journal
 
 
 # --- target resolvers (transformed parameters, rule 10) ---------------------------------------------

@@ -16,13 +16,10 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
-
-if TYPE_CHECKING:
-    from .journal import Journal
 
 
 @dataclass(eq=False, slots=True)
@@ -99,7 +96,7 @@ class Entry:
     sync: str | None = None  # "mean"/"sum" when an update of this step asked for it (distributed sync, rule 9)
     raw: torch.Tensor | None = None  # the target as a plain tensor, for the commit's writes
     generation: int = -1  # the model index's generation it was made in
-    journal: Journal | None = None  # the journal using it now (None: free to be reused by the next step)
+    journal: Any = None  # the journal.Journal using it now (None: free to be reused by the next step)
     sharded: bool = False  # the target is a DTensor (FSDP2): written through its local shard
 
     def current(self) -> torch.Tensor:

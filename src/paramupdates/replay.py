@@ -43,7 +43,9 @@ from .ops import apply_inplace
 from .records import Entry
 
 if TYPE_CHECKING:
-    from .journal import Journal
+    from collections.abc import Sequence
+
+    from .seams import JournalView
 
 EntryValues = dict[tuple[int, int], torch.Tensor]
 """``(id(journal), id(entry))`` -> the value shown at segment entry."""
@@ -79,14 +81,14 @@ class Replay:
     ``Journal.record`` calls instead of recording.
     """
 
-    def __init__(self, snap: EntryValues, eager: EagerLog | None, explicit: list[Journal]) -> None:
+    def __init__(self, snap: EntryValues, eager: EagerLog | None, explicit: Sequence[JournalView]) -> None:
         self.scratch: dict[tuple[int, int], torch.Tensor] = dict(snap)
         self.alias: dict[int, Entry] = {}
         self.eager = eager
         # The explicit steps live when the segment's forward ran (noted then, in that thread: the
         # recomputation may run in another one), then the attachments' journals.
         self.explicit = explicit
-        self.journals: list[Journal] = list(explicit)
+        self.journals: list[JournalView] = list(explicit)
         for j in routing.attached_journals():
             if j not in self.journals:
                 self.journals.append(j)
@@ -97,16 +99,16 @@ class Replay:
         if self.eager is not None and self.eager.owns(target):
             apply_inplace(op, target, operand, key, cond)
 
-    def current(self, j: Journal, e: Entry) -> torch.Tensor:
+    def current(self, j: JournalView, e: Entry) -> torch.Tensor:
         return self.scratch.get((id(j), id(e)), e.target)
 
-    def lookup(self, j: Journal, t: torch.Tensor) -> Entry | None:
+    def lookup(self, j: JournalView, t: torch.Tensor) -> Entry | None:
         e = self.alias.get(id(t))
         if e is not None and self.scratch.get((id(j), id(e))) is t:
             return e
         return None
 
-    def set_value(self, j: Journal, e: Entry, new: torch.Tensor) -> None:
+    def set_value(self, j: JournalView, e: Entry, new: torch.Tensor) -> None:
         self.scratch[(id(j), id(e))] = new
         self.alias[id(new)] = e
         self._show(e, new)
@@ -205,7 +207,7 @@ class Segment:
     def __init__(self) -> None:
         self.values: EntryValues | None = None
         self.log: EagerLog | None = None
-        self.explicit: list[Journal] = []
+        self.explicit: list[JournalView] = []
         self.condition: bool | torch.Tensor | None = None
         """The ``pu.when`` condition in force at segment entry (combined): in force again around the
         recomputation (rule 3: it sees what the forward saw)."""

@@ -29,8 +29,7 @@ from .lookup import EAGER, Lookup
 from .records import Entry
 
 if TYPE_CHECKING:
-    from .attach import Attachment
-    from .journal import Journal
+    from .seams import Attachment, Journal
 
 THREAD = "thread"
 PROCESS = "process"

@@ -27,10 +27,8 @@ import torch
 if TYPE_CHECKING:
     from torch import nn
 
-    from .commit.driver import Commit
-    from .journal import Journal
     from .records import Entry
-    from .targets import ModelIndex
+    from .seams import Commit, Journal, ModelIndex
 
 
 def dtensor_type() -> type | None:

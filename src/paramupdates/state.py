@@ -33,9 +33,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 if TYPE_CHECKING:
-    from .attach import Attachment
-    from .journal import Journal
-    from .replay import EagerLog, Replay
+    from .seams import Attachment, EagerLog, Journal, Replay
 
 
 class Local(threading.local):

@@ -22,7 +22,7 @@ from . import guards, hooks, overlay, routing, sharding, state
 from .records import TargetInfo
 
 if TYPE_CHECKING:
-    from .rules.base import Rule
+    from .seams import Rule
 
 
 class ModelIndex:

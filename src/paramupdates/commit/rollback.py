@@ -40,7 +40,9 @@ _data_ptr = torch._C.TensorBase.data_ptr
 _size = torch._C.TensorBase.size
 
 if TYPE_CHECKING:
-    from ..rules.base import Rule
+    from collections.abc import Sequence
+
+    from ..seams import Restorable
 
 Copies = list[tuple[list[torch.Tensor], list[torch.Tensor]]]
 
@@ -135,10 +137,10 @@ class Rollback:
         self._snapshots: Copies = []
         self._opt_saved: dict[int, tuple[torch.Tensor, dict | None]] | None = None
         self._optimizer: Any = None
-        self._rules: list[tuple[Rule, Any]] = []
+        self._rules: list[tuple[Restorable, Any]] = []
         self._applied: set[int] = set()  # id() of the rules that applied
 
-    def applied(self, rule: Rule) -> None:
+    def applied(self, rule: Restorable) -> None:
         """``rule`` has written (it keeps its state unless everything is restored)."""
         self._applied.add(id(rule))
 
@@ -195,7 +197,7 @@ class Rollback:
         self._optimizer = optimizer
         self.protect(tensors)
 
-    def save_rules(self, rules: list[Rule]) -> None:
+    def save_rules(self, rules: Sequence[Restorable]) -> None:
         """Keep the rules' Python-level state (counters) to restore."""
         self._rules = [(r, r.save()) for r in rules]
 

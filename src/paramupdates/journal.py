@@ -89,13 +89,18 @@ class Journal:
         self.aliases_stale = False  # set when a compiled graph installed pending values
         # Loose records (a pu.nn module's statistics, targets with nothing else pending): no entries made
         # (settle() makes them when something else touches a target); the commit copies loose_src into
-        # loose_dst (the targets, plain) in one pass. loose_ids: id(target) and id(pending value) -> the
-        # record's place in loose (rebuilt after a compiled graph added records: loose_ids_stale).
+        # loose_dst (the targets, plain) in one pass. A loose record marks its targets' infos with this
+        # journal's serial (TargetInfo.loose_in: what the next record asks, one attribute read). loose_ids:
+        # id(target) and id(pending value) -> the record's place in loose, for a reader that holds a
+        # pending value; made when a reader first asks, for the records since (index_loose): a step whose
+        # statistics nobody looks up by id() builds none.
+        self.serial = next(state.process.journal_serials)
         self.loose: list[Record] = []
         self.loose_dst: list[torch.Tensor] = []
         self.loose_src: list[torch.Tensor] = []
         self.loose_ids: dict[int, int] = {}
-        self.loose_ids_stale = False
+        self.loose_indexed = 0  # the records of loose that loose_ids covers (the first ones)
+        self.traced_loose = False  # a compiled graph made loose records (no TargetInfo.loose_in marks)
         self.order: list[Record] = []  # issue order: what the schedule shows
         self.by_phase: dict[str, list[Entry]] = {}  # phase -> the entries with records in it
         # the phases with an entry whose pending value the commit may not take as is (a target with records
@@ -133,7 +138,7 @@ class Journal:
         if not self.loose:
             return
         loose, self.loose = self.loose, []
-        self.loose_dst, self.loose_src, self.loose_ids = [], [], {}
+        self.loose_dst, self.loose_src, self.loose_ids, self.loose_indexed = [], [], {}, 0
         for rec in loose:
             targets, values = rec.targets, rec.values
             rec.targets = rec.values = None
@@ -147,13 +152,15 @@ class Journal:
             rec.entries = entries  # type: ignore[assignment]
             self._take_values(rec, entries, values, how, show=False)  # type: ignore[arg-type]
 
-    def rebuild_loose_ids(self) -> None:
-        ids: dict[int, int] = {}
-        for i, rec in enumerate(self.loose):
+    def index_loose(self) -> dict[int, int]:
+        """``loose_ids``, brought up to date: the records made since it was last asked are added."""
+        ids, loose = self.loose_ids, self.loose
+        for i in range(self.loose_indexed, len(loose)):
+            rec = loose[i]
             for t, v in zip(rec.targets, rec.values):  # type: ignore[arg-type]
                 ids[id(t)] = ids[id(v)] = i
-        self.loose_ids = ids
-        self.loose_ids_stale = False
+        self.loose_indexed = len(loose)
+        return ids
 
     def rebuild_aliases(self) -> None:
         self.aliases = {id(x.value): x for x in self.entries.values() if x.value is not None}
@@ -457,37 +464,44 @@ class Journal:
             return False if how.traced else self._record_on_entries(updates, origin, how)
         cond = _local.conditions[-1]
         pred = cond if isinstance(cond, torch.Tensor) else None
+        traced = how.traced
+        inference = not traced and torch.is_inference_mode_enabled()
         ops: list[str] = []
         operands: list[Any] = []
         targets: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
-        rec = Record((), ops, operands, None, pred, AUXILIARY, None, origin, targets, infos, values)
         dst, src = self.loose_dst, self.loose_src
-        i = len(self.loose)
-        ids = None if how.traced else self.loose_ids
-        inference = ids is not None and torch.is_inference_mode_enabled()
-        for t, op, operand, new in updates:
+        for t, op, operand, new in updates:  # (one loop, no comprehension: each is a frame of its own in 3.11)
             ops.append(op)
             operands.append(operand)
-            if new.requires_grad:
-                new = new.detach()
-            if pred is not None:
-                new = torch.where(pred, new, t)
-            if inference:
-                new = normal(new)  # (see _made_without_grad)
+            if new.requires_grad or pred is not None or inference:
+                new = self._loose_value(t, new, pred, inference)
             targets.append(t)
             values.append(new)
             dst.append(t if type(t) in _PLAIN else overlay.plain(t))
             src.append(new)
-            if ids is not None:
-                ids[id(t)] = ids[id(new)] = i
+        rec = Record((), ops, operands, None, pred, AUXILIARY, None, origin, targets, infos, values)
         overlay.show_loose((rec,))  # read-your-writes through the module attributes (rule 1)
-        if ids is None:
-            self.loose_ids_stale = True  # (id() of a tensor made in a graph: after the graph)
+        if not traced:  # (while dynamo traces, no attribute of an object outside the graph is written)
+            serial = self.serial
+            for info in infos:
+                info.loose_in = serial
+        if traced:
+            self.traced_loose = True  # (their infos are not marked: _loose_infos looks them up by id after the graph)
         self.loose.append(rec)
         self.order.append(rec)  # what the schedule shows
         self.shown = True
         return True
+
+    @staticmethod
+    def _loose_value(t: torch.Tensor, new: torch.Tensor, pred: torch.Tensor | None, inference: bool) -> torch.Tensor:
+        """A loose record's pending value of ``t``: detached, under the ``pu.when`` condition, a normal
+        tensor under inference mode (see :meth:`_made_without_grad`)."""
+        if new.requires_grad:
+            new = new.detach()
+        if pred is not None:
+            new = torch.where(pred, new, t)
+        return normal(new) if inference else new
 
     def _loose_infos(self, updates: list[tuple[torch.Tensor, str, Any, torch.Tensor]], how: Lookup) -> list | None:
         """The index's info of each target of ``updates`` if they can make a loose record (each a
@@ -504,18 +518,16 @@ class Journal:
                     return None
                 infos.append(info)
             return infos
-        # (one pass of dict look-ups: this runs for every batch norm of every step)
-        if self.aliases_stale:
-            self.rebuild_aliases()
-        if self.loose_ids_stale:
-            self.rebuild_loose_ids()
-        entries, aliases, ids, by_id = self.entries, self.aliases, self.loose_ids, self.index.by_id
+        # (one pass: this runs for every batch norm of every step). A target with something pending has
+        # an entry, or a loose record of this journal marked its info; a pending value is not indexed
+        entries, by_id, serial = self.entries, self.index.by_id, self.serial
+        ids = self.index_loose() if self.traced_loose else None  # (records a compiled graph made: by id)
         for t, _op, _operand, _new in updates:
             k = id(t)
-            if t.requires_grad or k in entries or k in aliases or k in ids:
-                return None  # pending already (or maybe: the entries' path finds out)
             info = by_id.get(k)  # the index as built (no rebuild on a miss: the general path does that)
-            if info is None or info.ref() is not t or info.shows == overlay.PARAM or info.sharded:
+            if info is None or info.ref() is not t or info.loose_in == serial or t.requires_grad or k in entries:
+                return None
+            if info.shows == overlay.PARAM or info.sharded or (ids is not None and k in ids):
                 return None
             infos.append(info)
         return infos
@@ -650,9 +662,7 @@ class Journal:
         if e is not None and e.value is v:
             return e.target, e.slots
         if self.loose:
-            if self.loose_ids_stale:
-                self.rebuild_loose_ids()
-            i = self.loose_ids.get(id(v))
+            i = self.index_loose().get(id(v))
             if i is not None:
                 rec = self.loose[i]
                 for t, x, info in zip(rec.targets, rec.values, rec.infos):  # type: ignore[arg-type]
@@ -755,7 +765,7 @@ class Journal:
         self.aliases = {}
         for rec in self.order:
             rec.operands = rec.targets = rec.values = None  # (the schedule shows op, condition and origin only)
-        self.loose, self.loose_dst, self.loose_src, self.loose_ids = [], [], [], {}
+        self.loose, self.loose_dst, self.loose_src, self.loose_ids, self.loose_indexed = [], [], [], {}, 0
         for e in self.entries.values():
             e.value = None
             e.journal = None

@@ -39,11 +39,8 @@ class Lookup:
     def entry(self, j: Any, t: torch.Tensor) -> Entry | None:
         """The entry of ``j`` whose target or pending value is ``t`` (a loose record's: its entries
         are made first, ``Journal.settle``)."""
-        if j.loose:
-            if j.loose_ids_stale:
-                j.rebuild_loose_ids()
-            if id(t) in j.loose_ids:
-                j.settle(self)
+        if j.loose and id(t) in j.index_loose():
+            j.settle(self)
         e = j.entries.get(id(t))
         if e is not None and e.target is t:
             return e

@@ -40,6 +40,7 @@ class TargetInfo:
     sharded: bool = False  # a DTensor (FSDP2)
     kept: tuple | None = None  # a pu.Parameter: (its class, auxiliary, weight_decay), to keep its type
     meta: bool = False  # on the meta device when indexed (no values: nothing to step)
+    loose_in: int = -1  # the serial of the journal where a loose record holds its pending value (Journal.serial)
 
     @property
     def owner(self) -> nn.Module | None:

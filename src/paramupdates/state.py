@@ -107,6 +107,8 @@ class Process:
     current while it has the same version (a counter: it never repeats)."""
     rule_seq: itertools.count
     """Declaration order of rules (commit order within a phase)."""
+    journal_serials: itertools.count
+    """A journal's serial (``Journal.serial``: what a loose record marks its targets' infos with)."""
     moves: int
     """Bumped whenever something a rule follows was collected or moved (a held tensor or module
     collected, a module replaced in its parent): a model's rules, found whole and followable at a commit,
@@ -155,6 +157,7 @@ class Process:
         self.indexes = weakref.WeakKeyDictionary()
         self.structure, self.watched = 0, weakref.WeakSet()
         self.rules, self.rules_version, self.rule_seq = [], 0, itertools.count()
+        self.journal_serials = itertools.count()
         self.moves, self.rules_dead, self.unbound = 0, False, 0
         self.graveyard = collections.deque(maxlen=64)
         self.rule_roots = weakref.WeakKeyDictionary()

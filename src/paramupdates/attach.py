@@ -23,13 +23,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import accounting, routing, state
-from .commit import Commit
+from . import accounting, hooks, routing, state
+from .commit import Commit, optimizer_rows
 from .errors import AccountingWarning, UpdateError, listed
 from .journal import Journal
 from .options import StepOptions
 from .origin import call_site
 from .owner import Owner, check_arguments
+from .schedule import Schedule
 from .targets import ModelIndex, index_of
 
 
@@ -152,6 +153,8 @@ class Attachment(Owner):
         self._calls = 0  # optimizer.step() calls running through the wrapper (nested ones counted)
         self._step_calls = 0  # (COMMITTING) ``_calls`` when the pre-hook began the commit
         self._nested = 0  # (COMMITTING) nested optimizer steps inside the committing one (super().step())
+        self._idle_step = False  # an optimizer step with nothing to commit but its own update runs (_pre_hook)
+        self._idle_schedule: Any = None  # the plan of such a step (made once, read by schedule())
         self._scaler_opt: Any = None  # the optimizer as given to the scaler's step, while it runs
         self._wrap_step(optimizer)
         # the GradScaler whose step this attachment sees: scaler=, or the first that steps the optimizer
@@ -284,6 +287,7 @@ class Attachment(Owner):
             # Every way out of optimizer.step() ends the step: an exception of the optimizer or of
             # the commit (a commit is running), or of a step pre-hook that ran before ours (no
             # commit began: the pending updates are dropped all the same).
+            self._idle_step = False  # (a step with nothing to commit: nothing was written but the optimizer's)
             if self._stage in (HOOK, COMMITTING) or (self._stage is RECORDING and self._calls == 1):
                 self._abort(exc)
             raise
@@ -351,10 +355,13 @@ class Attachment(Owner):
 
     # routing (``routing.journal_of`` decides; the attachment opens its journal) ---------------------
     def open_journal(self) -> Journal:
-        """The journal of the step being recorded, opened now if none is."""
+        """The journal of the step being recorded, opened now if none is (inside an optimizer step that
+        had nothing to commit: that step's commit, made now, :meth:`_promote`)."""
         if self.journal is None:
             self.journal = Journal(self.index, self.optimizer, self.label, self._reuse())
-            if self._stage is IDLE:
+            if self._idle_step:
+                self._promote()
+            elif self._stage is IDLE:
                 self._stage = RECORDING
         return self.journal
 
@@ -385,6 +392,7 @@ class Attachment(Owner):
         self.journal = None
         self.commit = None
         self._nested = 0
+        self._idle_step = False
 
     def _pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         if routing.committing_optimizer(optimizer) or self._model_ref.gone:
@@ -393,12 +401,19 @@ class Attachment(Owner):
             # torch.distributed.checkpoint making a fresh optimizer's state (zero gradients, zero learning
             # rate): no optimizer update, so no step: the pending updates wait for the next one, no rule runs
             return None
-        if self._stage is COMMITTING and self._inside_own_step():
+        if (self._stage is COMMITTING or self._idle_step) and self._inside_own_step():
             # A nested step: an optimizer subclass calling super().step(), whose
             # class is hooked too. Only the outermost call commits.
             self._nested += 1
             return None
         self._recover()  # the previous optimizer.step() raised, called around the wrapper
+        if self.journal is None and self._nothing_to_commit(optimizer, args, kwargs):
+            # the step's plan is the optimizer's update alone: no commit is made (an update issued
+            # inside the optimizer's step makes it then: open_journal); the post-hook counts the step
+            self._idle_step = True
+            self._step_calls = self._calls
+            accounting.applied(optimizer, [])  # (rule 12: this optimizer step's commit applies no rule)
+            return None
         j = self.open_journal()
         try:
             self._refuse_shared_since_change()
@@ -415,6 +430,51 @@ class Attachment(Owner):
             raise
         finally:
             self._leave_hook()
+
+    def _nothing_to_commit(self, optimizer: Any, args: Any, kwargs: Any) -> bool:
+        """Whether this optimizer step has nothing to commit but the optimizer's own update, as the commit
+        would find (guards of the plan, each a few compares): nothing pending (no journal), no rule declared
+        in the process (none can apply: a rule declared later, or whose layer joins the model, is one), the
+        default options (no verdict to take, nothing to copy), no closure, not inside ``scaler.step`` (the
+        scaler's verdict is taken by a commit), a model last indexed neither on the meta device (the commit
+        refuses it) nor sharded (sharded ranks agree at every commit), and no sharing between attachments
+        to check since the model's structure changed. The same step through the commit writes the same."""
+        p, opts, index = state.process, self.options, self.index
+        if p.rules or opts.on_nonfinite is not None or opts.copy_for_rollback or self._scaler_opt is not None:
+            return False
+        if len(args) > 1 or (kwargs and kwargs.get("closure") is not None) or index.has_meta:
+            return False
+        if self._structure != p.structure and len(routing.attachments()) > 1:
+            return False
+        hit = index.sharded_layout
+        return (hit is not None and hit[0] == index.generation and not hit[1]) or hooks.sharding_support() is None
+
+    def _promote(self) -> None:
+        """An update is issued inside an optimizer step that had nothing to commit (an optimizer whose step
+        runs the model): that step's commit is made now, as the pre-hook makes it, and the update joins it
+        (its phases after the gradient update commit in the post-hook, as for a step with a commit)."""
+        self._idle_step = False
+        opt = self.optimizer
+        c = self.commit = self._commit(self.journal, opt)  # type: ignore[arg-type]
+        self._stage = HOOK
+        try:
+            self._begin(c, opt, (opt,), {})
+        except BaseException as exc:
+            self._abort(exc)
+            raise
+        finally:
+            self._leave_hook()
+
+    def _count_idle(self) -> None:
+        """Count an optimizer step that had nothing to commit as a committed step (its plan: the
+        optimizer's update alone)."""
+        self._closed += 1
+        self._n_applied += 1
+        self._last_ok = True
+        if self._idle_schedule is None:
+            name, label = type(self.optimizer).__name__, self.label  # (not self: no cycle through the plan)
+            self._idle_schedule = Schedule.later(lambda: optimizer_rows(name, label))
+        self._last = self._idle_schedule
 
     @staticmethod
     def _begin(c: Commit, optimizer: Any, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
@@ -447,6 +507,10 @@ class Attachment(Owner):
             return
         if self._nested:
             self._nested -= 1
+            return
+        if self._idle_step:
+            self._idle_step = False
+            self._count_idle()
             return
         c = self.commit
         if self._stage is not COMMITTING or c is None:

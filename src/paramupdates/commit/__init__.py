@@ -6,6 +6,6 @@ commit, rule 7).
 * ``rollback``: the copies that let ``copy_for_rollback=True`` restore a failed commit bitwise.
 """
 
-from .driver import Commit, CommitContext
+from .driver import Commit, CommitContext, optimizer_rows
 
-__all__ = ["Commit", "CommitContext"]
+__all__ = ["Commit", "CommitContext", "optimizer_rows"]

@@ -624,15 +624,7 @@ class Commit:
         for phase in PHASES:
             if phase == GRAD:
                 if self.optimizer_name is not None:
-                    rows.append(
-                        ScheduleEntry(
-                            GRAD,
-                            "<optimizer parameters>",
-                            f"{self.optimizer_name}.step",
-                            "-",
-                            str(self.label),
-                        )
-                    )
+                    rows += optimizer_rows(self.optimizer_name, self.label)
                 continue
             for rule in self.rules:
                 if rule.phase == phase:
@@ -737,6 +729,11 @@ class Commit:
                 if e is not None and e.target is t:
                     self._dirty.add(id(e))
         self._dirty_pending.clear()
+
+
+def optimizer_rows(optimizer_name: str, label: Any) -> list[ScheduleEntry]:
+    """The schedule's row of the gradient update (phase ``grad``) of a step labelled ``label``."""
+    return [ScheduleEntry(GRAD, "<optimizer parameters>", f"{optimizer_name}.step", "-", str(label))]
 
 
 class _NoGrad:

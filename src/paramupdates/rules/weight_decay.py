@@ -46,6 +46,8 @@ with the rest of its update (``found_inf``).
 from __future__ import annotations
 
 import itertools
+import operator
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -64,7 +66,6 @@ from .common import (
     Referents,
     adopt_known,
     aliases,
-    any_none,
     check_declared,
     named_tensors,
     plain_if,
@@ -200,6 +201,7 @@ class WeightDecay(DeclaredRule):
         # declared on a module: follows its parameters by name (e.g. into fully_shard's DTensors)
         self.hold([(n, t) for n, t, _ in named], root)
         self._lent: list[tuple[dict, dict]] = []  # param groups whose settings this commit set, and theirs
+        self._seen: Any = None  # the optimizer of the last full check, until the RuleSet keeps it (bound)
 
     def same_kind(self) -> Any:
         return "weight_decay"  # two decays of one tensor are never meant
@@ -275,10 +277,52 @@ class WeightDecay(DeclaredRule):
         return (tuple(sizes), tuple(numbers) if scaled else (), tuple(decays), scaled and kernel)
 
     def _grad_key(self, ts: list[torch.Tensor]) -> tuple[bool, ...] | bool:
-        """Which of ``ts`` have a gradient (``True``: all of them)."""
+        """Which of ``ts`` have a gradient (``True``: all of them; one pass in C in that case)."""
         with plain_if(self._sub):
-            grads = list(map(_grad_of, ts))
-        return True if not any_none(grads) else tuple([g is not None for g in grads])
+            if all(map(operator.is_not, map(_grad_of, ts), itertools.repeat(None))):
+                return True
+            return tuple([g is not None for g in map(_grad_of, ts)])
+
+    # --- the kept plan (RuleSet) ----------------------------------------------------------------------
+    def check(self, ctx: CommitContext) -> None:
+        super().check(ctx)
+        self._seen = weakref.ref(ctx.optimizer) if ctx.optimizer is not None else None
+
+    def bound(self) -> Any:
+        """What the ``RuleSet`` keeps of this full check: the foreach lists (:meth:`bind`), the optimizer
+        and its parameters in group order, as the check saw them (strongly, where the ``RuleSet`` holds the
+        rules' tensors anyway; the rule holds them only by weak reference, in its plan key)."""
+        seen, self._seen = self._seen, None
+        opt = seen() if seen is not None else None
+        if opt is None:
+            return (self._args, None, None)
+        return (self._args, opt, list(itertools.chain.from_iterable([g["params"] for g in opt.param_groups])))
+
+    def revalidate(self, ctx: CommitContext, held: list[torch.Tensor], bound: Any = None) -> bool:
+        """:meth:`same_plan` against what the ``RuleSet`` kept (:meth:`bound`): the optimizer and its
+        parameters compared by identity with the objects held (one pass in C, no weak reference called),
+        then the layout of its groups and the gradients, as :meth:`plan_key` has them."""
+        args, opt, params = bound if bound is not None else (None, None, None)
+        if params is None or torch.compiler.is_compiling():
+            return super().revalidate(ctx, held, args)
+        if self._key is None or self._key[0] is None or ctx.optimizer is not opt:
+            return False
+        _opt, _refs, layout, grad_key = self._key[0]
+        groups = opt.param_groups
+        if self._layout(groups) != layout:  # (the group sizes: the chain below has params' length)
+            return False
+        if not all(map(operator.is_, itertools.chain.from_iterable([g["params"] for g in groups]), params)):
+            return False
+        live = params if layout[3] else [t for t in held if t is not None] if self._tied else held
+        if self._grad_key(live) != grad_key:
+            return False
+        self._live, self._args = held, args
+        self.ready(ctx)
+        return True
+
+    def restore(self, saved: Any) -> None:
+        super().restore(saved)
+        self._seen = None
 
     def make_plan(self, ctx: CommitContext, live: list[Any]) -> Any:
         """``(separate, lent, double)``: the separate pass (per device and dtype: indices and factors),

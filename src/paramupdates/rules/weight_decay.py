@@ -45,6 +45,7 @@ with the rest of its update (``found_inf``).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import operator
 import weakref
@@ -68,6 +69,7 @@ from .common import (
     aliases,
     check_declared,
     named_tensors,
+    no_subclass,
     plain_if,
     refuse_inside_step,
 )
@@ -79,6 +81,7 @@ if TYPE_CHECKING:
 Exclude = Callable[[str, torch.Tensor], bool]
 _grad_of = torch._C.TensorBase.grad.__get__  # the C getter, mapped without a Python-level loop
 _NUMBER = (int, float)  # a learning rate that is a number (else a tensor)
+_PLAIN = contextlib.nullcontext()  # (reusable: plain tensors need no DisableTorchFunctionSubclass)
 
 
 # --- the math ---------------------------------------------------------------------------------------------
@@ -151,10 +154,16 @@ class Factors:
         return [([ts[j] for j in m], w) for m, w in zip(self.members, ws)]
 
     def get(self, groups: list[dict], scale_by_lr: bool) -> list[Any]:
-        """The factors of the group's tensors, in order, for this commit."""
+        """The factors of the group's tensors, in order, for this commit: those of the last commit while
+        every learning rate is the number it was then (one comparison for one combination)."""
+        kept = self.lrs
+        if kept is not None and len(kept) == 1:  # (one combination, the common case: no pass over them)
+            lr = groups[self.combos[0][0]]["lr"] if scale_by_lr else 1.0
+            if isinstance(lr, _NUMBER) and lr == kept[0]:
+                return self.values
         lrs = self._lrs(groups, scale_by_lr)
         numbers = all(isinstance(lr, _NUMBER) for lr in lrs)
-        if numbers and lrs == self.lrs:
+        if numbers and lrs == kept:
             return self.values
         per = [1.0 - lr * rate for lr, (_, rate) in zip(lrs, self.combos)]
         if not numbers:  # tensor learning rates: on the device, at every commit (never kept)
@@ -278,7 +287,7 @@ class WeightDecay(DeclaredRule):
 
     def _grad_key(self, ts: list[torch.Tensor]) -> tuple[bool, ...] | bool:
         """Which of ``ts`` have a gradient (``True``: all of them; one pass in C in that case)."""
-        with plain_if(self._sub):
+        with no_subclass() if self._sub else _PLAIN:
             if all(map(operator.is_not, map(_grad_of, ts), itertools.repeat(None))):
                 return True
             return tuple([g is not None for g in map(_grad_of, ts)])
@@ -311,7 +320,8 @@ class WeightDecay(DeclaredRule):
         groups = opt.param_groups
         if self._layout(groups) != layout:  # (the group sizes: the chain below has params' length)
             return False
-        if not all(map(operator.is_, itertools.chain.from_iterable([g["params"] for g in groups]), params)):
+        now = groups[0]["params"] if len(groups) == 1 else itertools.chain.from_iterable([g["params"] for g in groups])
+        if not all(map(operator.is_, now, params)):
             return False
         live = params if layout[3] else [t for t in held if t is not None] if self._tied else held
         if self._grad_key(live) != grad_key:
@@ -441,8 +451,7 @@ class WeightDecay(DeclaredRule):
         (idx, gis, foreach_groups), lent, _double = self.plan
         groups = ctx.optimizer.param_groups
         if args is not None and not lent and not torch.compiler.is_compiling():
-            with plain_if(self._sub):
-                _multi_tensor_weight_decay(self._foreach_groups(args, groups, ctx.ok))
+            _multi_tensor_weight_decay(self._foreach_groups(args, groups, ctx.ok))  # (plain aliases)
             return
         touched = ctx.written_before_grad_after(self) if lent else set()  # must see the decayed values
         fallback: list[int] = []
@@ -473,7 +482,10 @@ class WeightDecay(DeclaredRule):
         """``[(tensors, factors)]`` for :func:`_multi_tensor_weight_decay`; under a device verdict the
         factors are ``where(ok, f, 1)`` (:meth:`Factors.gated`)."""
         if ok is None:
-            return [(ts, f.get(groups, self.scale_by_lr)) for ts, f in lists]
+            out = []
+            for ts, f in lists:
+                out.append((ts, f.get(groups, self.scale_by_lr)))
+            return out
         return [pair for ts, f in lists for pair in f.gated(ts, groups, self.scale_by_lr, ok)]
 
     def optimizer_done(self) -> None:

@@ -327,7 +327,8 @@ class WeightDecay(DeclaredRule):
         if self._grad_key(live) != grad_key:
             return False
         self._live, self._args = held, args
-        self.ready(ctx)
+        if self.plan[2]:
+            self.ready(ctx)  # (refuses a double decay: the plan's names of it)
         return True
 
     def restore(self, saved: Any) -> None:

@@ -310,16 +310,18 @@ class WeightDecay(DeclaredRule):
         opt = seen() if seen is not None else None
         if opt is None:
             return (self._args, None, None)
-        return (self._args, opt, list(itertools.chain.from_iterable([g["params"] for g in opt.param_groups])))
+        # (the optimizer by weak reference: the RuleSet is a value of a weak dict keyed by it)
+        return (self._args, seen, list(itertools.chain.from_iterable([g["params"] for g in opt.param_groups])))
 
     def revalidate(self, ctx: CommitContext, held: list[torch.Tensor], bound: Any = None) -> bool:
         """:meth:`same_plan` against what the ``RuleSet`` kept (:meth:`bound`): the optimizer and its
-        parameters compared by identity with the objects held (one pass in C, no weak reference called),
-        then the layout of its groups and the gradients, as :meth:`plan_key` has them."""
-        args, opt, params = bound if bound is not None else (None, None, None)
-        if params is None or torch.compiler.is_compiling():
+        parameters compared by identity with the objects held (one pass in C, no weak reference called per
+        parameter), then the layout of its groups and the gradients, as :meth:`plan_key` has them."""
+        args, seen, params = bound if bound is not None else (None, None, None)
+        if seen is None or params is None or torch.compiler.is_compiling():
             return super().revalidate(ctx, held, args)
-        if self._key is None or self._key[0] is None or ctx.optimizer is not opt:
+        opt = ctx.optimizer
+        if self._key is None or self._key[0] is None or opt is None or seen() is not opt:
             return False
         _opt, _refs, layout, grad_key = self._key[0]
         groups = opt.param_groups

@@ -118,6 +118,13 @@ def test_weight_decay_functions_are_bitwise_equal(dtype):
     _multi_tensor_weight_decay([(multi, made.get([{"lr": 0.05}], True))])
     assert_same(snapshot(*single), snapshot(*multi))
     assert not torch.equal(single[0], ts[0])  # (it did something)
+    # one combination (one rate): one 0-dim factor for the whole group, refilled when the lr changes
+    one = Factors(torch.device("cpu"), dtype, [(0, 0.1)], [0] * len(ts))
+    for lr in (0.05, 0.05, 0.02):
+        single, multi = [t.clone() for t in ts], [t.clone() for t in ts]
+        _single_tensor_weight_decay(single, [1.0 - lr * 0.1] * len(ts))
+        _multi_tensor_weight_decay([(multi, one.get([{"lr": lr}], True))])
+        assert_same(snapshot(*single), snapshot(*multi))
 
 
 def test_ema_functions_are_bitwise_equal():

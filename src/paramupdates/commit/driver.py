@@ -703,7 +703,7 @@ class Commit:
         rule writes is listed only where it is needed: to copy it first (rollback), or to classify the
         recorded updates of a later phase (no Python work per tensor otherwise)."""
         rb = self.rollback
-        ctx = self._context()
+        ctx = self._ctx if self._ctx is not None else self._context()  # (made by the checks, before any write)
         copies = rb.needs_copies()
         listed = copies or bool(self.journal.entries)
         with no_grad():
@@ -716,7 +716,8 @@ class Commit:
                 rule.apply(ctx)
                 rb.applied(rule)
                 self._applied.append(rule)
-                rb.stage_done(not rule.infallible)
+                if not rule.infallible:
+                    rb.stage_done(True)  # (an infallible rule is no stage that lowers the count)
 
     def _flush_dirty(self) -> None:
         """Add the entries whose targets the rules so far wrote to ``_dirty`` (as the ids of the entries)."""

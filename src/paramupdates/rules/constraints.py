@@ -133,6 +133,11 @@ class _Norm(Constraint):
     def factor(self, n: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def factor_(self, n: torch.Tensor, out: torch.Tensor) -> None:
+        """``out <- factor(n)``, into a buffer kept between commits (:func:`_norm_keep`); bitwise
+        :meth:`factor` (a subclass writes it with ``out=``: the same kernels)."""
+        out.copy_(self.factor(n))
+
     def validate(self, name: str, t: torch.Tensor, origin: str) -> None:
         if not t.is_floating_point():
             raise UpdateError(
@@ -204,6 +209,9 @@ class MaxNorm(_Norm):
     def factor(self, n: torch.Tensor) -> torch.Tensor:
         return n.clamp(0.0, self.value).div_(n + EPSILON)
 
+    def factor_(self, n: torch.Tensor, out: torch.Tensor) -> None:
+        torch.clamp(n, 0.0, self.value, out=out).div_(n + EPSILON)
+
     def __repr__(self) -> str:
         return f"pu.max_norm({self.value}, dim={self.dim})"
 
@@ -213,6 +221,9 @@ class UnitNorm(_Norm):
 
     def factor(self, n: torch.Tensor) -> torch.Tensor:
         return (n + EPSILON).reciprocal_()
+
+    def factor_(self, n: torch.Tensor, out: torch.Tensor) -> None:
+        torch.add(n, EPSILON, out=out).reciprocal_()
 
     def __call__(self, w: torch.Tensor) -> torch.Tensor:
         return w / (EPSILON + self.norms(w))
@@ -460,25 +471,59 @@ def _norm_bind(c: Constraint, ts: list[torch.Tensor], plan: Any) -> Any:
         vs = [ts[i] for i in idx] if d == 0 else [ts[i].movedim(d, 0) for i in idx]
         shape = (-1, *([1] * (nd - 1)))
         if isinstance(lengths, torch.Tensor) or nd == 1:
-            bound_rows.append((vs, shape, counts, lengths, None))
+            bound_rows.append((vs, shape, counts, lengths, None, None))
             continue
         batches, at = [], 0
         for cat, k in lengths:
             batches.append((cat, vs[at : at + k]))
             at += k
-        bound_rows.append((vs, shape, counts, batches, tuple(range(1, nd))))
+        bound_rows.append((vs, shape, counts, batches, tuple(range(1, nd)), None))
     return [[ts[i] for i in idx] for idx in wholes], bound_rows
+
+
+def _norm_keep(bound: Any) -> Any:
+    """:func:`_norm_bind`'s lists for a plan kept between commits (``Constrain.bind``): each CPU group of
+    row norms gets its buffers, made once: the norms ``n`` (one ``vector_norm(..., out=)`` view per batch
+    of small tensors, one per large tensor), the factors ``c.factor(n)`` (written in place,
+    :meth:`_Norm.factor_`) and their views per tensor, the operands of its ``torch._foreach_mul_``. The
+    same kernels on the same inputs as :func:`_norm_bind`'s path, so the same bits; what goes is the
+    ``torch.cat`` of the norms and the ``split_with_sizes`` of the factors (one view per tensor) of
+    every commit. Held with the plan's lists (by the ``RuleSet``): a few floats per row."""
+    wholes, rows = bound
+    kept_rows = []
+    for vs, shape, counts, batches, dims, _ in rows:
+        if dims is None:
+            kept_rows.append((vs, shape, counts, batches, dims, None))
+            continue
+        n = torch.empty(sum(counts), dtype=vs[0].dtype, device=vs[0].device)
+        f = torch.empty_like(n).view(shape)
+        jobs, at = [], 0
+        for cat, batch in batches:
+            for part in [batch] if cat else [[v] for v in batch]:
+                rows_of = sum(v.shape[0] for v in part)
+                jobs.append((part, n[at : at + rows_of]))
+                at += rows_of
+        kept_rows.append((vs, shape, counts, batches, dims, (jobs, n.view(shape), f, f.split_with_sizes(counts))))
+    return wholes, kept_rows
 
 
 def _multi_tensor_norm(c: Any, bound: Any, ok: torch.Tensor | None = None) -> None:
     """``w <- w * c.factor(n)``, ``n`` the L2 norms over every dim but ``dim``: per group, its norms, the
     factors of the whole group in one pass, one ``torch._foreach_mul_``; under a device verdict ``ok``
-    the factors are ``where(ok, f, 1)``."""
+    the factors are ``where(ok, f, 1)``. A group with buffers kept (:func:`_norm_keep`) writes its norms
+    and factors into them (the same kernels, the same order: the same bits)."""
     wholes, rows = bound
     for group in wholes:
         n = torch.stack(torch._foreach_norm(group))
         torch._foreach_mul_(group, list(_gate(c.factor(n), ok).unbind(0)))
-    for vs, shape, counts, lengths, dims in rows:
+    for vs, shape, counts, lengths, dims, kept in rows:
+        if kept is not None and ok is None:
+            jobs, n, f, fs = kept
+            for part, out in jobs:
+                torch.linalg.vector_norm(torch.cat(part) if len(part) > 1 else part[0], dim=dims, out=out)
+            c.factor_(n, f)
+            torch._foreach_mul_(vs, fs)
+            continue
         if isinstance(lengths, torch.Tensor):
             # accelerators: launch bound; the whole group in a handful of kernels
             flat = _flat(vs)
@@ -628,7 +673,9 @@ class Constrain(DeclaredRule):
         dynamo guards them already (an alias would be one more)."""
         if self._sharded or not self.foreach or torch.compiler.is_compiling():
             return None
-        return self._bind(self.constraint, aliases([t for t in live if t is not None]), self.plan)
+        bound = self._bind(self.constraint, aliases([t for t in live if t is not None]), self.plan)
+        builtin = type(self.constraint).__module__ == __name__  # (a subclass of the user's: its own factor)
+        return _norm_keep(bound) if self._bind is _norm_bind and builtin else bound
 
     def run(self, ctx: CommitContext, live: list[Any], args: Any) -> None:
         ok = ctx.ok

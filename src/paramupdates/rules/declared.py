@@ -57,6 +57,8 @@ class DeclaredRule(OnTensorList, Rule):
         self._sub = has_subclass([t for _, t in named])
         # no plan_key of its own: the plan depends on the tensors' storage alone (no call per commit to ask)
         self._storage_only = type(self).plan_key is DeclaredRule.plan_key
+        # nothing to read at each commit (no ready of its own): the re-check calls none
+        self._reads = type(self).ready is not DeclaredRule.ready
         self._key: tuple | None = None
         self.plan: Any = None
         self._live: list[Any] = []
@@ -153,11 +155,12 @@ class DeclaredRule(OnTensorList, Rule):
         return self._args
 
     def revalidate(self, ctx: CommitContext, held: list[torch.Tensor], bound: Any = None) -> bool:
-        if not self.same_plan(ctx, held):
+        if not (self._storage_only and self._key is not None) and not self.same_plan(ctx, held):
             return False
         # the plan depends on the storage, which the caller checked, and the key; its arguments on both
         self._live, self._args = held, bound
-        self.ready(ctx)
+        if self._reads:
+            self.ready(ctx)
         return True
 
     def apply(self, ctx: CommitContext) -> None:

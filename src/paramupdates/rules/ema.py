@@ -561,6 +561,14 @@ class EMA(DeclaredRule):
 
     def run(self, ctx: CommitContext, live: list[Any], args: Any) -> None:
         ok = ctx.ok
+        if args is not None and self.foreach and not torch.compiler.is_compiling():
+            # the kept lists: plain aliases (no subclass to step around)
+            if ok is not None:
+                _gated_multi_tensor_ema(*args, self._weight, ok)
+            else:
+                _multi_tensor_ema(*args, self._weight)
+            self._counter.count(ok)
+            return
         with plain_if(self._sub):
             if not self.foreach:  # the reference path: one pair at a time (those of the plan: once per copy tensor)
                 n = len(self.names)
@@ -569,7 +577,7 @@ class EMA(DeclaredRule):
                     [live[n + i] for i in pos], [live[i] for i in pos], [self._avg[i] for i in pos], self._weight, ok
                 )
             else:
-                lists = args if args is not None and not torch.compiler.is_compiling() else self._lists(live)
+                lists = self._lists(live)
                 if ok is not None:
                     _gated_multi_tensor_ema(*lists, self._weight, ok)
                 else:

@@ -5,6 +5,8 @@ sync on an accelerator); ``on_nonfinite=`` opts into one checked sync per step."
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from torch import nn
@@ -368,3 +370,23 @@ def test_a_scaler_with_on_nonfinite_skip_and_a_fused_optimizer_makes_no_sync():
         mine, owner = _scaler_step_syncs("Adam(fused)", how, on_nonfinite="skip")
         assert mine == [[], [], []]
         assert owner.steps == 2 and owner.skipped_steps == 1
+
+
+def test_a_tensor_learning_rate_is_not_read_once_dcp_state_dict_is_imported():
+    """``accounting.initialising`` recognises torch.distributed.checkpoint's zero-learning-rate step by its
+    function on the stack: with that module imported (by another library, or a test before this one), a
+    training step's tensor learning rate is still not read on the host."""
+    importlib.import_module("torch.distributed.checkpoint.state_dict")
+    m = _model()
+    _declare(m)
+    opt = torch.optim.SGD(m.parameters(), lr=torch.tensor(0.1))
+    pu.attach(m, opt)
+    x = torch.randn(6, 4)
+    counter = Syncs()
+    for _ in range(2):
+        opt.zero_grad()
+        _forward(m, x).backward()
+        counter.calls.clear()
+        with counter:
+            opt.step()
+    assert counter.calls == _bare_syncs(torch.optim.SGD, "tensor")

@@ -122,23 +122,28 @@ def initialising(optimizer: Any) -> bool:
     tensor it made, every learning rate zero, so no parameter changes. Recognised by that function on the
     stack, stepping this optimizer (or one that wraps it), with every group's learning rate zero: a step of
     the training loop is never made inside it. Cheap where it cannot be: the module not imported, or a
-    learning rate that is not zero (a host-side number, or a CPU tensor), answer before any frame is read."""
+    learning rate that is not zero (a host-side number), answer before any frame is read; a tensor learning
+    rate is read only once that function is found on the stack (its read is a host sync, which a training
+    step's commit never makes: rule 7)."""
     mod = sys.modules.get(_DCP_STATE_DICT)
     code = getattr(getattr(mod, "_init_optim_state", None), "__code__", None)
     if code is None or torch.compiler.is_compiling():
         return False
+    tensors = []  # (a tensor learning rate is read only inside that function: a read is a host sync)
     for group in optimizer.param_groups:
         lr = group.get("lr", 0.0)
         if isinstance(lr, torch.Tensor):
-            if lr.device.type != "cpu" or lr.numel() != 1 or lr.item() != 0:
+            if lr.device.type != "cpu" or lr.numel() != 1:
                 return False
+            tensors.append(lr)
         elif lr != 0:
             return False
     frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_code is code:
             optim = frame.f_locals.get("optim")
-            return optim is not None and (optimizer in _unwrapped(optim) or optim in _unwrapped(optimizer))
+            mine = optim is not None and (optimizer in _unwrapped(optim) or optim in _unwrapped(optimizer))
+            return mine and all(lr.item() == 0 for lr in tensors)
         frame = frame.f_back
     return False
 

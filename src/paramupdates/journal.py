@@ -94,7 +94,7 @@ class Journal:
         # id(target) and id(pending value) -> the record's place in loose, for a reader that holds a
         # pending value; made when a reader first asks, for the records since (index_loose): a step whose
         # statistics nobody looks up by id() builds none.
-        self.serial = next(state.process.journal_serials)
+        self.serial = -1  # taken at the first eager record (a journal opened while dynamo traces reads no counter)
         self.loose: list[Record] = []
         self.loose_dst: list[torch.Tensor] = []
         self.loose_src: list[torch.Tensor] = []
@@ -521,6 +521,8 @@ class Journal:
         # (one pass: this runs for every batch norm of every step). A target with something pending has
         # an entry, or a loose record of this journal marked its info; a pending value is not indexed
         entries, by_id, serial = self.entries, self.index.by_id, self.serial
+        if serial < 0:
+            serial = self.serial = next(state.process.journal_serials)
         ids = self.index_loose() if self.traced_loose else None  # (records a compiled graph made: by id)
         for t, _op, _operand, _new in updates:
             k = id(t)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import paramupdates as pu
@@ -96,8 +98,11 @@ class _Probing(torch.optim.SGD):
         super().__init__(params, lr=0.1)
         self.counter, self.phase = counter, phase
 
+    probing = True
+
     def step(self, closure=None):  # type: ignore[override]
-        pu.assign_add(self.counter, 1, phase=self.phase)
+        if self.probing:
+            pu.assign_add(self.counter, 1, phase=self.phase)
         return super().step(closure)
 
 
@@ -152,3 +157,69 @@ def test_an_optimizer_step_that_raises_in_an_idle_step_counts_nothing():
     assert att.steps == 0
     opt.step()
     assert att.steps == 1
+
+
+# --- random programs: the plan against the general path ------------------------------------------------
+ACTIONS = ("idle", "forward", "eval-forward", "declare", "remove", "replace", "probe", "flush", "freeze")
+
+
+def _run_program(actions: list[str], planned: bool, monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
+    """Run ``actions`` on an attached model (each ending with an optimizer step, but ``flush``); with
+    ``planned=False`` no step may run from its plan (the general path, the reference)."""
+    if not planned:
+        monkeypatch.setattr(pu.Attachment, "_nothing_to_commit", lambda self, *a: False)
+    m = _probing_model()
+    opt = _Probing(m.parameters(), m.calls, None)
+    opt.probing = False
+    att = pu.attach(m, opt)
+    rules: list[pu.Rule] = []
+    g = torch.Generator().manual_seed(2)
+    out: list[torch.Tensor] = []
+    for a in actions:
+        x = torch.randn(8, 4, generator=g)
+        opt.zero_grad()
+        if a in ("forward", "eval-forward"):
+            m.train(a == "forward")
+            m(x).square().mean().backward()
+        elif a == "declare":
+            rules.append(pu.constrain(m[2].weight, pu.clamp(-0.2, 0.2)))
+        elif a == "remove" and rules:
+            rules.pop().remove()
+        elif a == "replace":
+            torch.manual_seed(len(out))
+            m[2] = nn.Linear(4, 2)  # (a layer the optimizer does not step: a rule on it is lost, loudly)
+        elif a == "freeze":
+            m[0].weight.requires_grad_(not m[0].weight.requires_grad)
+        for p in m.parameters():
+            if p.grad is None and p.requires_grad:
+                p.grad = torch.full_like(p, float(x[0, 0]))
+        opt.probing = a == "probe"
+        try:
+            if a == "flush":
+                att.flush()
+            else:
+                opt.step()
+        except pu.UpdateError as e:
+            out.append(torch.tensor(hash(str(e).split(" at ")[0]) % 1000))
+        out += [t.detach().clone() for t in m.state_dict().values()]
+        out.append(torch.tensor([att.steps, len(att.schedule())]))
+    att.detach()
+    for r in rules:
+        r.remove()
+    return out
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.sampled_from(ACTIONS), min_size=1, max_size=12))
+def test_random_programs_run_from_the_plan_as_on_the_general_path(actions):
+    """Random sequences of steps and changes between them (nothing issued, a forward in train or eval
+    mode, a rule declared or removed, a layer replaced, a parameter frozen or thawed, an update issued
+    inside the optimizer's step, a flush): every tensor of the model, the step counts, the schedules'
+    lengths and the errors are those of the same program on the general path."""
+    with pytest.MonkeyPatch.context() as mp:
+        ref = _run_program(actions, False, mp)
+    with pytest.MonkeyPatch.context() as mp:
+        got = _run_program(actions, True, mp)
+    assert len(ref) == len(got)
+    for a, b in zip(ref, got):
+        assert a.shape == b.shape and torch.equal(a, b)

@@ -294,6 +294,16 @@ class Result:
         return (r.ema_acc if ema else r.acc)[-1]
 
 
+def _lockstep(runs: dict[str, Run], x: torch.Tensor, y: torch.Tensor, bar: Any) -> None:
+    """One training step of every variant on the same batch, and what each run records of it."""
+    losses = {name: train_step(r, x, y) for name, r in runs.items()}
+    for name, r in runs.items():
+        r.loss.append(losses[name])
+        r.counter.append(int(r.model.blocks[0][1].num_batches_tracked))
+        r.stat_diff.append(stat_diff(r, runs["reference"]))
+    bar.set_postfix(loss=f"{losses['pu']:.3f}")
+
+
 def run_demo(
     *,
     epochs: int = 8,
@@ -329,16 +339,10 @@ def run_demo(
         batches = [order[i : i + batch_size] for i in range(0, n, batch_size)]
         bar = tqdm(batches, desc=f"epoch {epoch + 1}/{epochs}", unit="step", leave=True, disable=not progress)
         for idx in bar:
-            x, y = x_train[idx], y_train[idx]
-            losses = {name: train_step(r, x, y) for name, r in runs.items()}
+            _lockstep(runs, x_train[idx], y_train[idx], bar)
             steps += 1
-            for name, r in runs.items():
-                r.loss.append(losses[name])
-                r.counter.append(int(r.model.blocks[0][1].num_batches_tracked))
-                r.stat_diff.append(stat_diff(r, runs["reference"]))
             if not schedule:
                 schedule = str(runs["pu"].stepper.schedule())
-            bar.set_postfix(loss=f"{losses['pu']:.3f}")
         bar.close()
         for r in runs.values():
             r.eval.append(Eval(logits_of(r.model, x_test), logits_of(r.ema, x_test), y_test))

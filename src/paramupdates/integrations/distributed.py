@@ -298,6 +298,30 @@ def _syncing(commit: Commit, entries: Sequence[Entry], group: Any) -> str:
     )
 
 
+def _sync_sharded(commit: Commit, entries: Sequence[Entry], group: Any, timeout: Any) -> list[Entry]:
+    """Reduce the DTensor entries (HSDP) each among the replicas of its shard, not in the buckets;
+    returns the others."""
+    for e in entries:
+        if e.sharded:
+            try:
+                e.value = sync_dtensor(e.value, e.sync, timeout)
+            except RuntimeError as err:
+                raise incomplete(_syncing(commit, [e], group), err, timeout, "this commit") from err
+    return [e for e in entries if not e.sharded]
+
+
+def _buckets(entries: Sequence[Entry]) -> list[tuple[tuple[torch.device, torch.dtype], list[Entry]]]:
+    """The entries in buckets by (device, accumulation dtype), deterministic on every rank: the buckets
+    sorted by their key, means before sums within each."""
+    groups: dict[tuple[torch.device, torch.dtype], list[Entry]] = {}
+    for e in entries:
+        assert e.value is not None and e.sync is not None
+        v = e.value
+        groups.setdefault((v.device, _acc_dtype(v.dtype)), []).append(e)
+    keys = sorted(groups, key=lambda k: (str(k[0]), str(k[1])))
+    return [(k, sorted(groups[k], key=lambda e: e.sync != "mean")) for k in keys]
+
+
 def sync_entries(commit: Commit, entries: Sequence[Entry], local_nonfinite: bool = False) -> int:
     """All-reduce the pending values of ``entries`` in place of the values (see the module docstring).
 
@@ -308,25 +332,11 @@ def sync_entries(commit: Commit, entries: Sequence[Entry], local_nonfinite: bool
     timeout = commit.options.sync_timeout
     if not is_distributed(group):
         return 0
-    sharded = [e for e in entries if e.sharded]
-    if sharded:  # DTensors (HSDP): each reduced among the replicas of its shard, not in the buckets
-        for e in sharded:
-            try:
-                e.value = sync_dtensor(e.value, e.sync, timeout)
-            except RuntimeError as err:
-                raise incomplete(_syncing(commit, [e], group), err, timeout, "this commit") from err
-        entries = [e for e in entries if not e.sharded]
-        if not entries:
-            return 0
+    entries = _sync_sharded(commit, entries, group, timeout)
+    if not entries:
+        return 0
     world = dist.get_world_size(group)
-    groups: dict[tuple[torch.device, torch.dtype], list[Entry]] = {}
-    for e in entries:
-        assert e.value is not None and e.sync is not None
-        v = e.value
-        groups.setdefault((v.device, _acc_dtype(v.dtype)), []).append(e)
-    # Deterministic on every rank: buckets by (device, dtype), means before sums.
-    keys = sorted(groups, key=lambda k: (str(k[0]), str(k[1])))
-    plan = [(k, sorted(groups[k], key=lambda e: e.sync != "mean")) for k in keys]
+    plan = _buckets(entries)
     fp = layout_fingerprint(plan, commit.seq, world)
     flats: list[torch.Tensor] = []
     for i, (_k, ents) in enumerate(plan):

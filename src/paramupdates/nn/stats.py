@@ -15,6 +15,25 @@ from ..step import Stepper
 from .batchnorm import UpdateSafeBatchNorm
 
 
+def _refuse(model: nn.Module) -> None:
+    """``TypeError`` for torch.nn batch norms in ``model``; ``UpdateError`` inside a step."""
+    plain = [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, UpdateSafeBatchNorm)
+    ]
+    if plain:
+        raise TypeError(
+            f"pu.recompute_batchnorm_stats: {plain[:3]} are torch.nn batch norms, which write their "
+            "statistics in place. Call model = pu.convert(model) first (weights and statistics are kept)."
+        )
+    if routing.explicit():
+        raise UpdateError(
+            f"pu.recompute_batchnorm_stats: {routing.explicit()[-1].label} is in progress. "
+            "Call it outside a step (it runs as a step of its own)."
+        )
+
+
 def recompute_batchnorm_stats(model: nn.Module, loader: Iterable[Any], device: Any = None) -> int:
     """Recompute the running statistics of every ``pu.nn`` batch norm of ``model`` from ``loader``.
 
@@ -39,21 +58,7 @@ def recompute_batchnorm_stats(model: nn.Module, loader: Iterable[Any], device: A
     when called inside a step, or while an attachment of the model has updates pending
     (``flush()`` or ``discard()`` them first).
     """
-    plain = [
-        n
-        for n, m in model.named_modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, UpdateSafeBatchNorm)
-    ]
-    if plain:
-        raise TypeError(
-            f"pu.recompute_batchnorm_stats: {plain[:3]} are torch.nn batch norms, which write their "
-            "statistics in place. Call model = pu.convert(model) first (weights and statistics are kept)."
-        )
-    if routing.explicit():
-        raise UpdateError(
-            f"pu.recompute_batchnorm_stats: {routing.explicit()[-1].label} is in progress. "
-            "Call it outside a step (it runs as a step of its own)."
-        )
+    _refuse(model)
     bns = [m for m in model.modules() if isinstance(m, UpdateSafeBatchNorm) and m.track_running_stats]
     if not bns:
         return 0

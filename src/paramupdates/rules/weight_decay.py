@@ -566,11 +566,22 @@ def weight_decay(
         raise ValueError(f"pu.weight_decay at {origin}: rate must be >= 0, got {rate}")
     if exclude is not None and not callable(exclude):
         raise TypeError(f"pu.weight_decay at {origin}: exclude must be a callable (name, tensor) -> bool or None")
-    chosen: list[tuple[str, torch.Tensor, float]] = []
     named = named_tensors(params, "pu.weight_decay")
     root = params if isinstance(params, nn.Module) else None
     refuse_inside_step("pu.weight_decay", origin, [t for _, t in named])
     check_declared(named, root, "pu.weight_decay", origin)
+    rule = WeightDecay(_chosen(named, rate, exclude, origin), bool(scale_by_lr), origin, foreach is not False, root)
+    adopt_known(rule, root)
+    register(rule)
+    return rule
+
+
+def _chosen(
+    named: list[tuple[str, torch.Tensor]], rate: float, exclude: Exclude | None, origin: Any
+) -> list[tuple[str, torch.Tensor, float]]:
+    """``(name, tensor, its rate)`` of the tensors ``pu.weight_decay`` decays: a ``pu.Parameter``'s own
+    rate first (it overrides ``exclude``), the floating tensors ``exclude`` keeps at ``rate``."""
+    chosen: list[tuple[str, torch.Tensor, float]] = []
     for name, t in named:
         own = t.weight_decay if isinstance(t, Parameter) else None
         if own is None and exclude is not None and exclude(name, t):
@@ -586,7 +597,4 @@ def weight_decay(
                 )
             continue
         chosen.append((name, t, r))
-    rule = WeightDecay(chosen, bool(scale_by_lr), origin, foreach is not False, root)
-    adopt_known(rule, root)
-    register(rule)
-    return rule
+    return chosen

@@ -19,6 +19,7 @@ before the first write (validated commit, rule 7).
 from __future__ import annotations
 
 import datetime
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -152,10 +153,12 @@ class Stepper(Owner):
         """:func:`_guard_optimizer` of this stepper's optimizer, looked for once per model and optimizer:
         later steps only check (one dict look-up) that the guard is still among its pre-hooks."""
         g = self._caches.guard
-        if g is not None and g[0]._optimizer_step_pre_hooks is g[1] and g[1].get(g[2]) is _refuse_foreign_step:
-            return g[0]
+        if g is not None:
+            opt = g[0]()  # (held weakly: the caches are the value of a weak dict keyed by the optimizer)
+            if opt is not None and opt._optimizer_step_pre_hooks is g[1] and g[1].get(g[2]) is _refuse_foreign_step:
+                return opt
         self._caches.guard = g = _guard_optimizer(self.optimizer)
-        return None if g is None else g[0]
+        return None if g is None else g[0]()
 
     def _close(self, j: Journal) -> None:
         routing.leave(j)
@@ -211,9 +214,10 @@ class StepBlock:
         self.stepper._finish(j, self.closure if self.closure is not None else self.stepper.closure)
 
 
-def _guard_optimizer(optimizer: Any) -> tuple[Any, dict, Any] | None:
-    """``(the optimizer whose step pre-hooks run (hookable), its pre-hooks, the key of``
-    :func:`_refuse_foreign_step` ``among them)``: the guard goes first (before an attachment's pre-hook),
+def _guard_optimizer(optimizer: Any) -> tuple[weakref.ref, dict, Any] | None:
+    """``(a weak reference to the optimizer whose step pre-hooks run (hookable), its pre-hooks, the key of``
+    :func:`_refuse_foreign_step` ``among them)``, kept in ``owner.Caches.guard``, the value of a weak dict
+    keyed by the optimizer (a strong reference there would keep it alive as long as its model): the guard goes first (before an attachment's pre-hook),
     installed at the optimizer's first ``pu.step`` and kept while the optimizer lives (it does nothing
     outside a ``pu.step`` block). ``None``: no step hooks to guard with."""
     try:
@@ -225,7 +229,7 @@ def _guard_optimizer(optimizer: Any) -> tuple[Any, dict, Any] | None:
     if key is None:
         key = opt.register_step_pre_hook(_refuse_foreign_step).id
         hooks_.move_to_end(key, last=False)
-    return opt, hooks_, key
+    return weakref.ref(opt), hooks_, key
 
 
 def _runs_its_optimizer(j: Any) -> bool:

@@ -127,7 +127,11 @@ class Commit:
             else:
                 if not self.begin():
                     return None
-                self.before_optimizer()
+                if self.rules or BEFORE_GRAD in self.journal.by_phase:
+                    self.before_optimizer()
+                else:  # (before_optimizer would only say so: no rule to check, nothing before the gradients)
+                    self.state = "checked"
+                    self.journal.done_phases.add(BEFORE_GRAD)
                 out = self.run_optimizer()
             self.finish()
         except BaseException as exc:
@@ -503,7 +507,7 @@ class Commit:
         a device verdict, the optimizer takes it as ``found_inf`` (GradScaler's attribute; 1.0: its
         kernel writes nothing), lent for this step: :meth:`_optimizer_done` puts back what was there."""
         opt = self.optimizer
-        self._applied.append(f"{type(opt).__name__}.step (started)")
+        self._applied.append(_STARTED)  # (named when the note is written: most commits never write one)
         if self.ok is not None and opt is not None and self._lent_flag is None:
             self._lent_flag = (opt, vars(opt).get("found_inf", _MISSING))
             opt.found_inf = (~self.ok).to(torch.float32)  # type: ignore[attr-defined]  # (GradScaler's attribute)
@@ -513,7 +517,7 @@ class Commit:
         optimizer's post-hook)."""
         if self.rules or self._lent_flag is not None:
             self._optimizer_done()
-        if self.optimizer is not None:
+        if self.optimizer is not None and self.rollback.enabled:  # (the count matters only to copies)
             self.rollback.stage_done(True)
         self.journal.done_phases.add(GRAD)
         self.state = "stepped"
@@ -561,7 +565,14 @@ class Commit:
             self._end("aborted")
 
     def _what_was_applied(self) -> str:
-        done = ", ".join(a if isinstance(a, str) else f"{a.kind} (declared at {a.origin})" for a in self._applied)
+        done = ", ".join(
+            f"{self.optimizer_name}.step (started)"
+            if a is _STARTED
+            else a
+            if isinstance(a, str)
+            else f"{a.kind} (declared at {a.origin})"
+            for a in self._applied
+        )
         left = [p for p in PHASES if p not in self.journal.done_phases and p != GRAD]
         return (
             f"paramupdates ({self.label}): the commit had applied {done} when this was raised; that stays "
@@ -704,7 +715,7 @@ class Commit:
         recorded updates of a later phase (no Python work per tensor otherwise)."""
         rb = self.rollback
         ctx = self._ctx if self._ctx is not None else self._context()  # (made by the checks, before any write)
-        copies = rb.needs_copies()
+        copies = rb.enabled and rb.fallible_left > 0  # (rb.needs_copies(), inlined: once per phase with rules)
         listed = copies or bool(self.journal.entries)
         with no_grad():
             for rule in rules:
@@ -716,8 +727,8 @@ class Commit:
                 rule.apply(ctx)
                 rb.applied(rule)
                 self._applied.append(rule)
-                if not rule.infallible:
-                    rb.stage_done(True)  # (an infallible rule is no stage that lowers the count)
+                if copies and not rule.infallible:
+                    rb.stage_done(True)  # (an infallible rule is no stage that lowers the count; read with copies only)
 
     def _flush_dirty(self) -> None:
         """Add the entries whose targets the rules so far wrote to ``_dirty`` (as the ids of the entries)."""
@@ -788,6 +799,7 @@ def _raw(e: Entry) -> torch.Tensor:
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _MISSING = object()
+_STARTED = "<the optimizer's step, started>"  # (in Commit._applied: named by _what_was_applied)
 
 
 def takes_found_inf(opt: torch.optim.Optimizer) -> bool:

@@ -29,6 +29,7 @@ reshaped view makes a new one.
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,6 +39,7 @@ from .. import sharding
 
 _data_ptr = torch._C.TensorBase.data_ptr
 _size = torch._C.TensorBase.size
+_save = operator.methodcaller("save")
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -199,7 +201,7 @@ class Rollback:
 
     def save_rules(self, rules: Sequence[Restorable]) -> None:
         """Keep the rules' Python-level state (counters) to restore."""
-        self._rules = [(r, r.save()) for r in rules]
+        self._rules = list(zip(rules, map(_save, rules)))  # (no comprehension frame: every commit with rules)
 
     def restore(self) -> None:
         """Restore every copied tensor, the optimizer's state and the rules' state."""

@@ -46,7 +46,8 @@ restores everything bitwise.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -71,6 +72,17 @@ if TYPE_CHECKING:
 class Commit:
     """One commit of one journal (see the module docstring for the sequence)."""
 
+    # What most commits keep as it starts, as class attributes (described in __init__): a commit assigns
+    # its own only where it changes one, so that making a commit with nothing to do costs less
+    _phase_rules: Mapping[str, list[Rule]] = MappingProxyType({})
+    _ctx: CommitContext | None = None
+    scaler_opt: Any = None
+    skipped = False
+    ok: torch.Tensor | None = None
+    _closure = False
+    _lent_flag: tuple[Any, Any] | None = None
+    _hidden_grads: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
+
     def __init__(
         self,
         journal: Journal,
@@ -91,28 +103,24 @@ class Commit:
         self.rollback = Rollback(options.copy_for_rollback, caches.pool if caches is not None else None)
         self._applied: list[str | Rule] = []  # what was written so far, for the note on an exception
         self.rules: list[Rule] = []
-        self._phase_rules: dict[str, list[Rule]] = {}  # the rules by phase, in declaration order
-        self._ctx: CommitContext | None = None  # what the rules see (one per commit)
+        # _phase_rules: the rules by phase, in declaration order; _ctx: what the rules see (one per commit)
         # The GradScaler whose verdict on the gradients this commit takes (``scaler=``), and, under
         # pu.attach, the optimizer as given to the scaler's step that is running this commit (None:
         # the commit calls scaler.step and scaler.update itself, as pu.step's does).
-        self.scaler: Any = options.scaler
-        self.scaler_opt: Any = None
-        self.skipped = False  # the step was dropped, as decided on the host
+        self.scaler: Any = options.scaler  # (and scaler_opt)
+        # skipped: the step was dropped, as decided on the host
         # The step's verdict where it is taken on the device (``on_nonfinite="skip"``, a scaler's overflow,
         # when every writer can take it: :meth:`_decides_on_device`): a 0-dim bool tensor, never read here,
         # under which every phase applies (False: everything stays bitwise as it was). None: decided on
-        # the host, or nothing to decide.
-        self.ok: torch.Tensor | None = None
-        self._closure = False  # optimizer.step(closure): the checks run inside the closure (host verdict)
-        self._lent_flag: tuple[Any, Any] | None = None  # (optimizer, its found_inf before ours) while lent
+        # the host, or nothing to decide: ``ok``.
+        # _closure: optimizer.step(closure), the checks run inside the closure (host verdict);
+        # _lent_flag: (optimizer, its found_inf before ours) while lent
         self.state = "new"  # new -> begun -> checked -> stepped -> done | aborted
         # The entries whose targets were written earlier in this commit (by a phase or a rule: what
         # the optimizer writes is trainable, see run_phase). Rules' tensors are added only when a
         # phase has recorded entries to classify, so rules over many tensors cost nothing here.
         self._dirty: set[int] = set()
         self._dirty_pending: list[list[torch.Tensor]] = []
-        self._hidden_grads: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
 
     # ------------------------------------------------------------------
     # the sequence

@@ -52,3 +52,26 @@ def test_pending_values_are_freed_by_reference_counting(driver, copy):
         assert len(owner.schedule()) > 0  # the kept schedule still reads
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("declared", [False, True])
+@pytest.mark.parametrize("copy", [False, True])
+def test_an_optimizer_stepped_by_pu_step_is_collected_while_its_model_lives(declared, copy):
+    """The caches of ``(model, optimizer)`` live in a weak dictionary keyed by the optimizer, on the model's
+    index: nothing in them may hold the optimizer strongly (the guard of its step pre-hooks included), or an
+    optimizer used with ``pu.step`` would live as long as its model."""
+    m = Net()
+    if declared:
+        pu.weight_decay(m, 0.01)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for i in range(2):
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(i))
+        with pu.step(m, opt, copy_for_rollback=copy):
+            m(x).sum().backward()
+        opt.zero_grad()
+    ref = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert ref() is None, [type(r).__name__ for r in gc.get_referrers(ref())]
+    with pu.step(m):  # the model steps on without it
+        m(torch.randn(5, 4))

@@ -32,7 +32,8 @@ class Caches:
     * ``ruleset``: the declared rules' plans and their one-pass re-check (``rules.base.RuleSet``);
     * ``entries``: the journal entries of earlier steps, for a new journal to reuse;
     * ``checked``: the sharding support has looked at the model and optimizer (once);
-    * ``guard``: where the guard of a ``pu.step``'s optimizer step sits (``step._guard_optimizer``).
+    * ``guard``: where the guard of a ``pu.step``'s optimizer step sits (``step._guard_optimizer``; the
+      optimizer held weakly: nothing here may hold the optimizer this is kept for).
     """
 
     __slots__ = ("pool", "ruleset", "entries", "checked", "guard")
@@ -42,7 +43,7 @@ class Caches:
         self.ruleset = RuleSet()
         self.entries: dict = {}
         self.checked = False
-        self.guard: tuple[Any, dict, Any] | None = None
+        self.guard: tuple[weakref.ref, dict, Any] | None = None
 
 
 def commit_caches(index: ModelIndex, optimizer: torch.optim.Optimizer | None) -> Caches:
@@ -59,7 +60,9 @@ class Owner:
         if not isinstance(model, nn.Module):
             raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
         self.index = index_of(model)
-        caches = self._caches = commit_caches(self.index, optimizer)  # (this optimizer's; flush() takes None's)
+        caches = self._caches = self.index.caches_for(
+            optimizer, Caches
+        )  # (commit_caches, inlined)  # (this optimizer's; flush() takes None's)
         if not caches.checked:  # (once per model and optimizer: pu.step makes a Stepper per step)
             support = hooks.sharding_support()  # sharding hook: refuse engines whose parameters pu cannot update
             if support is not None:

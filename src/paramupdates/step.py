@@ -19,6 +19,7 @@ before the first write (validated commit, rule 7).
 from __future__ import annotations
 
 import datetime
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,7 @@ from torch import nn
 
 from . import routing, state
 from .attach import hookable, refuse_pending_attachment
+from .commit import Commit
 from .errors import UpdateError
 from .journal import Journal
 from .options import StepOptions
@@ -152,10 +154,12 @@ class Stepper(Owner):
         """:func:`_guard_optimizer` of this stepper's optimizer, looked for once per model and optimizer:
         later steps only check (one dict look-up) that the guard is still among its pre-hooks."""
         g = self._caches.guard
-        if g is not None and g[0]._optimizer_step_pre_hooks is g[1] and g[1].get(g[2]) is _refuse_foreign_step:
-            return g[0]
+        if g is not None:
+            opt = g[0]()  # (held weakly: the caches are the value of a weak dict keyed by the optimizer)
+            if opt is not None and opt._optimizer_step_pre_hooks is g[1] and g[1].get(g[2]) is _refuse_foreign_step:
+                return opt
         self._caches.guard = g = _guard_optimizer(self.optimizer)
-        return None if g is None else g[0]
+        return None if g is None else g[0]()
 
     def _close(self, j: Journal) -> None:
         routing.leave(j)
@@ -168,11 +172,14 @@ class Stepper(Owner):
 
     def _finish(self, j: Journal, closure: Any) -> None:
         # the journal stays routable while the commit runs: a closure's forward records into it
-        c = self._commit(j, j.optimizer)  # (the step's optimizer: the stepper's, held by the journal)
+        opt = j.optimizer  # (the step's optimizer: the stepper's, held by the journal)
+        c = Commit(j, opt, self.options, self._caches if opt is not None else None, self._closed)  # (Owner._commit)
+        self._closed += 1
         try:
             c.run(closure)
         finally:
-            self._close(j)
+            routing.leave(j)  # (_close, inlined: once per step)
+            self._journal = None
         self._committed(c)
 
     def _open_journal(self) -> Journal | None:
@@ -211,9 +218,10 @@ class StepBlock:
         self.stepper._finish(j, self.closure if self.closure is not None else self.stepper.closure)
 
 
-def _guard_optimizer(optimizer: Any) -> tuple[Any, dict, Any] | None:
-    """``(the optimizer whose step pre-hooks run (hookable), its pre-hooks, the key of``
-    :func:`_refuse_foreign_step` ``among them)``: the guard goes first (before an attachment's pre-hook),
+def _guard_optimizer(optimizer: Any) -> tuple[weakref.ref, dict, Any] | None:
+    """``(a weak reference to the optimizer whose step pre-hooks run (hookable), its pre-hooks, the key of``
+    :func:`_refuse_foreign_step` ``among them)``, kept in ``owner.Caches.guard``, the value of a weak dict
+    keyed by the optimizer (a strong reference there would keep it alive as long as its model): the guard goes first (before an attachment's pre-hook),
     installed at the optimizer's first ``pu.step`` and kept while the optimizer lives (it does nothing
     outside a ``pu.step`` block). ``None``: no step hooks to guard with."""
     try:
@@ -225,15 +233,7 @@ def _guard_optimizer(optimizer: Any) -> tuple[Any, dict, Any] | None:
     if key is None:
         key = opt.register_step_pre_hook(_refuse_foreign_step).id
         hooks_.move_to_end(key, last=False)
-    return opt, hooks_, key
-
-
-def _runs_its_optimizer(j: Any) -> bool:
-    """Whether the commit of ``j`` is running ``optimizer.step()`` in this thread."""
-    for c in _local.committing:
-        if c.journal is j:
-            return True
-    return False
+    return weakref.ref(opt), hooks_, key
 
 
 def _refuse_foreign_step(o: Any, args: Any, kwargs: Any) -> None:
@@ -241,8 +241,15 @@ def _refuse_foreign_step(o: Any, args: Any, kwargs: Any) -> None:
     not make (the user's, or ``GradScaler.step``'s, or another thread's) raises :class:`UpdateError`
     before the optimizer writes: the commit owns that step."""
     for j in _process.steps:  # (every thread's pu.step blocks)
-        if getattr(j, "guarded", None) is not o or _runs_its_optimizer(j):
-            continue  # another optimizer's step, or the commit's own call
+        if getattr(j, "guarded", None) is not o:
+            continue  # another optimizer's step
+        own = False  # whether j's commit is running o.step() in this thread (looked at in place: every step)
+        for c in _local.committing:
+            if c.journal is j:
+                own = True
+                break
+        if own:
+            continue  # the commit's own call
         name = type(o).__name__
         raise UpdateError(
             f"{name}.step() at {call_site(1)} was called inside {j.label}, which owns that optimizer step: "

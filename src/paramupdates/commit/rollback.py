@@ -29,6 +29,7 @@ reshaped view makes a new one.
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,6 +39,7 @@ from .. import sharding
 
 _data_ptr = torch._C.TensorBase.data_ptr
 _size = torch._C.TensorBase.size
+_save = operator.methodcaller("save")
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -129,15 +131,21 @@ class Rollback:
     ``enabled=False`` (the default: ``copy_for_rollback=False``) takes none.
     """
 
+    # What a commit without copies keeps as it starts, as class attributes (a commit's own are made where
+    # it copies: ``enabled``; most commits make none)
+    fallible_left = 1 << 30
+    _protected: set[int] = frozenset()  # type: ignore[assignment]  # id() of the tensors copied (set: enabled)
+    _snapshots: Copies = ()  # type: ignore[assignment]  # (a list where enabled: only protect extends it)
+    _opt_saved: dict[int, tuple[torch.Tensor, dict | None]] | None = None
+    _optimizer: Any = None
+    _rules: list[tuple[Restorable, Any]] = ()  # type: ignore[assignment]  # (save_rules assigns a list)
+
     def __init__(self, enabled: bool, pool: SnapshotPool | None) -> None:
         self.enabled = enabled
         self.pool = pool
-        self.fallible_left = 1 << 30
-        self._protected: set[int] = set()
-        self._snapshots: Copies = []
-        self._opt_saved: dict[int, tuple[torch.Tensor, dict | None]] | None = None
-        self._optimizer: Any = None
-        self._rules: list[tuple[Restorable, Any]] = []
+        if enabled:
+            self._protected = set()
+            self._snapshots = []
         self._applied: set[int] = set()  # id() of the rules that applied
 
     def applied(self, rule: Restorable) -> None:
@@ -199,7 +207,7 @@ class Rollback:
 
     def save_rules(self, rules: Sequence[Restorable]) -> None:
         """Keep the rules' Python-level state (counters) to restore."""
-        self._rules = [(r, r.save()) for r in rules]
+        self._rules = list(zip(rules, map(_save, rules)))  # (no comprehension frame: every commit with rules)
 
     def restore(self) -> None:
         """Restore every copied tensor, the optimizer's state and the rules' state."""

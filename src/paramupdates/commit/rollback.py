@@ -29,7 +29,6 @@ reshaped view makes a new one.
 
 from __future__ import annotations
 
-import operator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,7 +38,6 @@ from .. import sharding
 
 _data_ptr = torch._C.TensorBase.data_ptr
 _size = torch._C.TensorBase.size
-_save = operator.methodcaller("save")
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -207,7 +205,7 @@ class Rollback:
 
     def save_rules(self, rules: Sequence[Restorable]) -> None:
         """Keep the rules' Python-level state (counters) to restore."""
-        self._rules = list(zip(rules, map(_save, rules)))  # (no comprehension frame: every commit with rules)
+        self._rules = [(r, r.save()) for r in rules]  # (a comprehension: dynamo traces it in a compiled commit)
 
     def restore(self) -> None:
         """Restore every copied tensor, the optimizer's state and the rules' state."""

@@ -60,9 +60,7 @@ class Owner:
         if not isinstance(model, nn.Module):
             raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
         self.index = index_of(model)
-        caches = self._caches = self.index.caches_for(
-            optimizer, Caches
-        )  # (commit_caches, inlined)  # (this optimizer's; flush() takes None's)
+        caches = self._caches = commit_caches(self.index, optimizer)  # (this optimizer's; flush() takes None's)
         if not caches.checked:  # (once per model and optimizer: pu.step makes a Stepper per step)
             support = hooks.sharding_support()  # sharding hook: refuse engines whose parameters pu cannot update
             if support is not None:

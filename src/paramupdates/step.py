@@ -28,7 +28,6 @@ from torch import nn
 
 from . import routing, state
 from .attach import hookable, refuse_pending_attachment
-from .commit import Commit
 from .errors import UpdateError
 from .journal import Journal
 from .options import StepOptions
@@ -172,14 +171,11 @@ class Stepper(Owner):
 
     def _finish(self, j: Journal, closure: Any) -> None:
         # the journal stays routable while the commit runs: a closure's forward records into it
-        opt = j.optimizer  # (the step's optimizer: the stepper's, held by the journal)
-        c = Commit(j, opt, self.options, self._caches if opt is not None else None, self._closed)  # (Owner._commit)
-        self._closed += 1
+        c = self._commit(j, j.optimizer)  # (the step's optimizer: the stepper's, held by the journal)
         try:
             c.run(closure)
         finally:
-            routing.leave(j)  # (_close, inlined: once per step)
-            self._journal = None
+            self._close(j)
         self._committed(c)
 
     def _open_journal(self) -> Journal | None:
@@ -236,20 +232,21 @@ def _guard_optimizer(optimizer: Any) -> tuple[weakref.ref, dict, Any] | None:
     return weakref.ref(opt), hooks_, key
 
 
+def _runs_its_optimizer(j: Any) -> bool:
+    """Whether the commit of ``j`` is running ``optimizer.step()`` in this thread."""
+    for c in _local.committing:
+        if c.journal is j:
+            return True
+    return False
+
+
 def _refuse_foreign_step(o: Any, args: Any, kwargs: Any) -> None:
     """While a ``pu.step`` block records for ``o`` (in any thread), an ``o.step()`` that its commit does
     not make (the user's, or ``GradScaler.step``'s, or another thread's) raises :class:`UpdateError`
     before the optimizer writes: the commit owns that step."""
     for j in _process.steps:  # (every thread's pu.step blocks)
-        if getattr(j, "guarded", None) is not o:
-            continue  # another optimizer's step
-        own = False  # whether j's commit is running o.step() in this thread (looked at in place: every step)
-        for c in _local.committing:
-            if c.journal is j:
-                own = True
-                break
-        if own:
-            continue  # the commit's own call
+        if getattr(j, "guarded", None) is not o or _runs_its_optimizer(j):
+            continue  # another optimizer's step, or the commit's own call
         name = type(o).__name__
         raise UpdateError(
             f"{name}.step() at {call_site(1)} was called inside {j.label}, which owns that optimizer step: "

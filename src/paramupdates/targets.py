@@ -152,28 +152,12 @@ class ModelIndex:
         """Rebuild if the model's structure may have changed since the last build: a module of an indexed
         model got a parameter, buffer or submodule through torch's registration paths (``state.process.structure``),
         or a container's submodules changed (``Sequential.insert``, ``ModuleList.pop``, ``del
-        model[2]``: torch writes those dicts with no hook). A commit calls it before it takes the model's
-        rules (accounted for, rule 12).
-
-        When nothing changed: one integer compare, then one pass in C over the containers (their number of
-        submodules) and one over their submodules, each compared with a weak reference made at the build
-        (not ``id()``: a layer inserted where a collected one was may have its id; a reference to a dead
-        module returns ``None``), so a layer deleted and another inserted in its place is seen too (``del
-        model[2]; model.insert(2, ...)``). No new reference is made; a collected container rebuilds."""
+        model[2]``: torch writes those dicts with no hook). A few integer compares when nothing changed;
+        a commit calls it before it takes the model's rules (accounted for, rule 12)."""
         if torch.compiler.is_compiling():
             return  # a traced commit keeps the index as last built (see build; docs/compile.md)
-        struct, sizes = self._shape_key  # type: ignore[misc]
-        try:
-            dicts = list(map(_modules_of, map(operator.call, self._containers)))
-        except AttributeError:  # (a container was collected)
-            dicts = None
-        if (
-            dicts is None
-            or struct != state.process.structure
-            or sizes != tuple(map(len, dicts))
-            or not all(
-                map(operator.is_, map(operator.call, self._kids), itertools.chain.from_iterable(map(_values, dicts)))
-            )
+        if self._shape_key != (state.process.structure, _sizes(self._containers)) or not _same_children(
+            self._kids, self._containers
         ):
             self.build()
 
@@ -273,6 +257,18 @@ def _ref(m: Any) -> Any:
 
 def _NONE() -> None:  # (what a slot holding None is compared with: it returns None, as that slot does)
     return None
+
+
+def _same_children(refs: list[Any], containers: list[weakref.ref]) -> bool:
+    """Whether the containers hold the submodules ``refs`` refer to, in order (their number compared
+    already): what torch writes with no registration hook is seen too, a layer deleted and another
+    inserted in its place included (``del model[2]; model.insert(2, ...)``). Weak references made at
+    the build, not ``id()``: the new layer may be made where the collected one was, with its id; a
+    reference to a dead module returns ``None``. One pass in C, no new reference made."""
+    try:
+        return all(map(operator.is_, map(operator.call, refs), _children(containers)))
+    except AttributeError:  # (a container was collected)
+        return False
 
 
 _FUNCTIONAL_CALL = torch.nn.utils.stateless._functional_call.__code__

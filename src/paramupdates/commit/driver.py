@@ -46,8 +46,7 @@ restores everything bitwise.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from types import MappingProxyType
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -72,17 +71,6 @@ if TYPE_CHECKING:
 class Commit:
     """One commit of one journal (see the module docstring for the sequence)."""
 
-    # What most commits keep as it starts, as class attributes (described in __init__): a commit assigns
-    # its own only where it changes one, so that making a commit with nothing to do costs less
-    _phase_rules: Mapping[str, list[Rule]] = MappingProxyType({})
-    _ctx: CommitContext | None = None
-    scaler_opt: Any = None
-    skipped = False
-    ok: torch.Tensor | None = None
-    _closure = False
-    _lent_flag: tuple[Any, Any] | None = None
-    _hidden_grads: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
-
     def __init__(
         self,
         journal: Journal,
@@ -103,24 +91,28 @@ class Commit:
         self.rollback = Rollback(options.copy_for_rollback, caches.pool if caches is not None else None)
         self._applied: list[str | Rule] = []  # what was written so far, for the note on an exception
         self.rules: list[Rule] = []
-        # _phase_rules: the rules by phase, in declaration order; _ctx: what the rules see (one per commit)
+        self._phase_rules: dict[str, list[Rule]] = {}  # the rules by phase, in declaration order
+        self._ctx: CommitContext | None = None  # what the rules see (one per commit)
         # The GradScaler whose verdict on the gradients this commit takes (``scaler=``), and, under
         # pu.attach, the optimizer as given to the scaler's step that is running this commit (None:
         # the commit calls scaler.step and scaler.update itself, as pu.step's does).
-        self.scaler: Any = options.scaler  # (and scaler_opt)
-        # skipped: the step was dropped, as decided on the host
+        self.scaler: Any = options.scaler
+        self.scaler_opt: Any = None
+        self.skipped = False  # the step was dropped, as decided on the host
         # The step's verdict where it is taken on the device (``on_nonfinite="skip"``, a scaler's overflow,
         # when every writer can take it: :meth:`_decides_on_device`): a 0-dim bool tensor, never read here,
         # under which every phase applies (False: everything stays bitwise as it was). None: decided on
-        # the host, or nothing to decide: ``ok``.
-        # _closure: optimizer.step(closure), the checks run inside the closure (host verdict);
-        # _lent_flag: (optimizer, its found_inf before ours) while lent
+        # the host, or nothing to decide.
+        self.ok: torch.Tensor | None = None
+        self._closure = False  # optimizer.step(closure): the checks run inside the closure (host verdict)
+        self._lent_flag: tuple[Any, Any] | None = None  # (optimizer, its found_inf before ours) while lent
         self.state = "new"  # new -> begun -> checked -> stepped -> done | aborted
         # The entries whose targets were written earlier in this commit (by a phase or a rule: what
         # the optimizer writes is trainable, see run_phase). Rules' tensors are added only when a
         # phase has recorded entries to classify, so rules over many tensors cost nothing here.
         self._dirty: set[int] = set()
         self._dirty_pending: list[list[torch.Tensor]] = []
+        self._hidden_grads: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
 
     # ------------------------------------------------------------------
     # the sequence
@@ -135,11 +127,7 @@ class Commit:
             else:
                 if not self.begin():
                     return None
-                if self.rules or BEFORE_GRAD in self.journal.by_phase:
-                    self.before_optimizer()
-                else:  # (before_optimizer would only say so: no rule to check, nothing before the gradients)
-                    self.state = "checked"
-                    self.journal.done_phases.add(BEFORE_GRAD)
+                self.before_optimizer()
                 out = self.run_optimizer()
             self.finish()
         except BaseException as exc:
@@ -515,7 +503,7 @@ class Commit:
         a device verdict, the optimizer takes it as ``found_inf`` (GradScaler's attribute; 1.0: its
         kernel writes nothing), lent for this step: :meth:`_optimizer_done` puts back what was there."""
         opt = self.optimizer
-        self._applied.append(_STARTED)  # (named when the note is written: most commits never write one)
+        self._applied.append(f"{type(opt).__name__}.step (started)")
         if self.ok is not None and opt is not None and self._lent_flag is None:
             self._lent_flag = (opt, vars(opt).get("found_inf", _MISSING))
             opt.found_inf = (~self.ok).to(torch.float32)  # type: ignore[attr-defined]  # (GradScaler's attribute)
@@ -525,7 +513,7 @@ class Commit:
         optimizer's post-hook)."""
         if self.rules or self._lent_flag is not None:
             self._optimizer_done()
-        if self.optimizer is not None and self.rollback.enabled:  # (the count matters only to copies)
+        if self.optimizer is not None:
             self.rollback.stage_done(True)
         self.journal.done_phases.add(GRAD)
         self.state = "stepped"
@@ -573,14 +561,7 @@ class Commit:
             self._end("aborted")
 
     def _what_was_applied(self) -> str:
-        done = ", ".join(
-            f"{self.optimizer_name}.step (started)"
-            if a is _STARTED
-            else a
-            if isinstance(a, str)
-            else f"{a.kind} (declared at {a.origin})"
-            for a in self._applied
-        )
+        done = ", ".join(a if isinstance(a, str) else f"{a.kind} (declared at {a.origin})" for a in self._applied)
         left = [p for p in PHASES if p not in self.journal.done_phases and p != GRAD]
         return (
             f"paramupdates ({self.label}): the commit had applied {done} when this was raised; that stays "
@@ -723,7 +704,7 @@ class Commit:
         recorded updates of a later phase (no Python work per tensor otherwise)."""
         rb = self.rollback
         ctx = self._ctx if self._ctx is not None else self._context()  # (made by the checks, before any write)
-        copies = rb.enabled and rb.fallible_left > 0  # (rb.needs_copies(), inlined: once per phase with rules)
+        copies = rb.needs_copies()
         listed = copies or bool(self.journal.entries)
         with no_grad():
             for rule in rules:
@@ -735,8 +716,8 @@ class Commit:
                 rule.apply(ctx)
                 rb.applied(rule)
                 self._applied.append(rule)
-                if copies and not rule.infallible:
-                    rb.stage_done(True)  # (an infallible rule is no stage that lowers the count; read with copies only)
+                if not rule.infallible:
+                    rb.stage_done(True)  # (an infallible rule is no stage that lowers the count)
 
     def _flush_dirty(self) -> None:
         """Add the entries whose targets the rules so far wrote to ``_dirty`` (as the ids of the entries)."""
@@ -807,7 +788,6 @@ def _raw(e: Entry) -> torch.Tensor:
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _MISSING = object()
-_STARTED = "<the optimizer's step, started>"  # (in Commit._applied: named by _what_was_applied)
 
 
 def takes_found_inf(opt: torch.optim.Optimizer) -> bool:

@@ -129,21 +129,15 @@ class Rollback:
     ``enabled=False`` (the default: ``copy_for_rollback=False``) takes none.
     """
 
-    # What a commit without copies keeps as it starts, as class attributes (a commit's own are made where
-    # it copies: ``enabled``; most commits make none)
-    fallible_left = 1 << 30
-    _protected: set[int] = frozenset()  # type: ignore[assignment]  # id() of the tensors copied (set: enabled)
-    _snapshots: Copies = ()  # type: ignore[assignment]  # (a list where enabled: only protect extends it)
-    _opt_saved: dict[int, tuple[torch.Tensor, dict | None]] | None = None
-    _optimizer: Any = None
-    _rules: list[tuple[Restorable, Any]] = ()  # type: ignore[assignment]  # (save_rules assigns a list)
-
     def __init__(self, enabled: bool, pool: SnapshotPool | None) -> None:
         self.enabled = enabled
         self.pool = pool
-        if enabled:
-            self._protected = set()
-            self._snapshots = []
+        self.fallible_left = 1 << 30
+        self._protected: set[int] = set()
+        self._snapshots: Copies = []
+        self._opt_saved: dict[int, tuple[torch.Tensor, dict | None]] | None = None
+        self._optimizer: Any = None
+        self._rules: list[tuple[Restorable, Any]] = []
         self._applied: set[int] = set()  # id() of the rules that applied
 
     def applied(self, rule: Restorable) -> None:
@@ -205,7 +199,7 @@ class Rollback:
 
     def save_rules(self, rules: Sequence[Restorable]) -> None:
         """Keep the rules' Python-level state (counters) to restore."""
-        self._rules = [(r, r.save()) for r in rules]  # (a comprehension: dynamo traces it in a compiled commit)
+        self._rules = [(r, r.save()) for r in rules]
 
     def restore(self) -> None:
         """Restore every copied tensor, the optimizer's state and the rules' state."""

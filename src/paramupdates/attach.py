@@ -23,10 +23,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import accounting, hooks, routing, state
+from . import accounting, routing, state
 from .commit import Commit, optimizer_rows
 from .errors import AccountingWarning, UpdateError, listed
-from .journal import Journal
+from .journal import Journal, sharding_of
 from .options import StepOptions
 from .origin import call_site
 from .owner import Owner, check_arguments
@@ -420,8 +420,13 @@ class Attachment(Owner):
         except UpdateError as exc:
             self._abort(exc)
             raise
-        c = self.commit = self._commit(j, optimizer)
         self._step_calls = self._calls
+        return self._begin_commit(j, optimizer, args, kwargs)
+
+    def _begin_commit(self, j: Journal, optimizer: Any, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+        """Make the commit of ``j`` and begin it (:meth:`_begin`), in the HOOK stage; on any exception the
+        step is ended (:meth:`_abort`) before it propagates."""
+        c = self.commit = self._commit(j, optimizer)
         self._stage = HOOK
         try:
             return self._begin(c, optimizer, args, kwargs)
@@ -436,8 +441,8 @@ class Attachment(Owner):
         would find (guards of the plan, each a few compares): nothing pending (no journal), no rule declared
         in the process (none can apply: a rule declared later, or whose layer joins the model, is one), the
         default options (no verdict to take, nothing to copy), no closure, not inside ``scaler.step`` (the
-        scaler's verdict is taken by a commit), a model last indexed neither on the meta device (the commit
-        refuses it) nor sharded (sharded ranks agree at every commit), and no sharing between attachments
+        scaler's verdict is taken by a commit), a model last indexed not on the meta device (the commit
+        refuses it) and not sharded (sharded ranks agree at every commit), and no sharing between attachments
         to check since the model's structure changed. The same step through the commit writes the same."""
         p, opts, index = state.process, self.options, self.index
         if p.rules or opts.on_nonfinite is not None or opts.copy_for_rollback or self._scaler_opt is not None:
@@ -446,8 +451,7 @@ class Attachment(Owner):
             return False
         if self._structure != p.structure and len(routing.attachments()) > 1:
             return False
-        hit = index.sharded_layout
-        return (hit is not None and hit[0] == index.generation and not hit[1]) or hooks.sharding_support() is None
+        return sharding_of(index) is None  # (what the commit asks: journal.sharding)
 
     def _promote(self) -> None:
         """An update is issued inside an optimizer step that had nothing to commit (an optimizer whose step
@@ -455,15 +459,7 @@ class Attachment(Owner):
         (its phases after the gradient update commit in the post-hook, as for a step with a commit)."""
         self._idle_step = False
         opt = self.optimizer
-        c = self.commit = self._commit(self.journal, opt)  # type: ignore[arg-type]
-        self._stage = HOOK
-        try:
-            self._begin(c, opt, (opt,), {})
-        except BaseException as exc:
-            self._abort(exc)
-            raise
-        finally:
-            self._leave_hook()
+        self._begin_commit(self.journal, opt, (opt,), {})  # type: ignore[arg-type]
 
     def _count_idle(self) -> None:
         """Count an optimizer step that had nothing to commit as a committed step (its plan: the

@@ -64,6 +64,17 @@ def _where(t: Any) -> str:
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
+def sharding_of(index: ModelIndex) -> Any:
+    """The sharding support (``hooks.sharding_support``) if ``index``'s model holds sharded parameters,
+    else None: a plain model's updates never call into a sharding integration. Decided once per model
+    index generation (``ModelIndex.sharded_layout``, kept by the support)."""
+    hit = index.sharded_layout
+    if hit is not None and hit[0] == index.generation:
+        return hooks.sharding_support() if hit[1] else None
+    support = hooks.sharding_support()
+    return support if support is not None and support.model_sharded(index) else None
+
+
 class Journal:
     """The pending updates of one step of one model (with its optimizer).
 
@@ -231,15 +242,9 @@ class Journal:
         )
 
     def sharding(self) -> Any:
-        """The sharding support (``hooks.sharding_support``) if this step's model holds sharded
-        parameters, else None: a plain model's updates never call into a sharding integration. Decided
-        once per model index generation (``ModelIndex.sharded_layout``, kept by the support)."""
-        index = self.index
-        hit = index.sharded_layout
-        if hit is not None and hit[0] == index.generation:
-            return hooks.sharding_support() if hit[1] else None
-        support = hooks.sharding_support()
-        return support if support is not None and support.model_sharded(index) else None
+        """The sharding support if this step's model holds sharded parameters, else None
+        (:func:`sharding_of`)."""
+        return sharding_of(self.index)
 
     def _trainable(self, t: torch.Tensor, how: Lookup) -> bool:
         """Whether the optimizer also updates ``t``: it requires grad and, when the step has an

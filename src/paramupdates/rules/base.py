@@ -47,7 +47,6 @@ from .common import has_subclass, storage_key, stored_named
 if TYPE_CHECKING:
     from ..targets import ModelIndex
 
-_data_ptr = torch._C.TensorBase.data_ptr
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
@@ -655,7 +654,6 @@ class RuleSet:
         self._key: tuple[int, ...] | None = None
         self._sub = False
         self._sharded = True
-        self._plain = False  # no pu.Parameter and no DTensor among the tensors: their storage read directly
 
     def check(self, rules: list[Rule], ctx: CommitContext) -> None:
         """Check every rule of a commit before it writes (raises what a rule's check raises)."""
@@ -677,10 +675,7 @@ class RuleSet:
         re-check of what storage does not cover (:meth:`Rule.revalidate`)."""
         if self._sig != (len(rules), ctx.index.rules_key) or not all(map(operator.is_, rules, self._rules)):
             return False  # (None before the first record: never equal)
-        if self._plain and not torch.compiler.is_compiling():
-            if tuple(map(_data_ptr, self._union)) != self._key:  # (storage_key's plain case, inline)
-                return False
-        elif storage_key(self._union, self._sub, self._sharded) != self._key:
+        if storage_key(self._union, self._sub, self._sharded) != self._key:
             return False
         for rule, held, bound in zip(rules, self._held, self._bound):
             if not rule.revalidate(ctx, held, bound):
@@ -702,7 +697,6 @@ class RuleSet:
         self._sub = has_subclass(union)
         self._sharded = sharding.any_sharded(union)  # (the same tensors, held: fixed until the next record)
         self._key = storage_key(union, self._sub, self._sharded)
-        self._plain = not self._sub and not self._sharded
         self._union = union
         self._held = held  # type: ignore[assignment]
         self._bound = [rule.bound() for rule in rules]
